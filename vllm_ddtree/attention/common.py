@@ -1,0 +1,78 @@
+"""The per-step channel between the DDTree runner hooks and the tree-attention backends.
+
+vLLM builds attention metadata per KV-cache group and never sees our trees, so the runner hook
+publishes a :class:`TreeAttentionBatch` for exactly the duration of the target model's forward
+(:func:`tree_attention_active`). Backends read it with :func:`active_tree_batch`; outside that
+window (drafter forward, dummy/profile runs) it is ``None`` and backends behave exactly as vLLM's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+
+@dataclass
+class TreeAttentionRequest:
+    """One request's draft tree as laid out in this step's flat token batch.
+
+    Attributes:
+        batch_index: the request's row in the block table / ``seq_lens`` of this step.
+        query_start: flat index (into the step's ``[num_tokens]`` batch) of the root row; the
+            tree's rows are ``query_start .. query_start + num_rows - 1`` in node order.
+        num_rows: ``n + 1`` (root/bonus token plus ``n`` draft nodes).
+        context_len: number of committed tokens before the root (= the root's position).
+            Tree node ``i`` was written to the KV slot of position ``context_len + i``.
+        ancestor_mask: ``[num_rows, num_rows]`` bool on the model's device; row ``i`` is true at
+            ``j`` iff ``j`` is ``i`` or an ancestor of ``i`` (see ``vllm_ddtree.tree.DraftTree``).
+    """
+
+    batch_index: int
+    query_start: int
+    num_rows: int
+    context_len: int
+    ancestor_mask: torch.Tensor
+
+
+@dataclass
+class TreeAttentionBatch:
+    """All tree requests of one target forward, plus the K/V each attention layer wrote.
+
+    ``recorded_kv`` maps a layer name to ``(layer, impl, key, value, kv_cache)`` as seen by the
+    backend's ``do_kv_cache_update``; :mod:`vllm_ddtree.commit` rewrites the accepted nodes'
+    K/V through the same backend writer (layout-agnostic KV compaction).
+    """
+
+    requests: list[TreeAttentionRequest]
+    recorded_kv: dict[str, tuple[Any, Any, torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
+
+    def record_kv(self, layer: Any, impl: Any, key: torch.Tensor, value: torch.Tensor,
+                  kv_cache: torch.Tensor) -> None:
+        """Remember the fresh ``key``/``value`` (``[num_tokens, num_kv_heads, head_size]``) of a
+        layer for KV compaction after verification."""
+        name = getattr(layer, "layer_name", None) or str(id(layer))
+        self.recorded_kv[name] = (layer, impl, key, value, kv_cache)
+
+
+_ACTIVE: TreeAttentionBatch | None = None
+
+
+@contextlib.contextmanager
+def tree_attention_active(batch: TreeAttentionBatch | None) -> Iterator[None]:
+    """Publish ``batch`` to the tree-attention backends for the enclosed forward pass."""
+    global _ACTIVE
+    prev, _ACTIVE = _ACTIVE, batch
+    try:
+        yield
+    finally:
+        _ACTIVE = prev
+
+
+def active_tree_batch() -> TreeAttentionBatch | None:
+    """The tree batch of the target forward now running, or ``None``."""
+    return _ACTIVE
