@@ -47,15 +47,27 @@ class TreeAttentionBatch:
     """
 
     requests: list[TreeAttentionRequest]
+    #: ``[sum(num_rows)]`` long: the flat token rows of all trees, request after request.
+    tree_rows: torch.Tensor | None = None
     recorded_kv: dict[str, tuple[Any, Any, torch.Tensor, torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
     )
 
     def record_kv(self, layer: Any, impl: Any, key: torch.Tensor, value: torch.Tensor,
                   kv_cache: torch.Tensor) -> None:
-        """Remember the fresh ``key``/``value`` (``[num_tokens, num_kv_heads, head_size]``) of a
-        layer for KV compaction after verification."""
+        """Remember a layer's fresh K/V of the tree rows for KV compaction after verification.
+
+        Args:
+            key, value: ``[num_tokens, num_kv_heads, head_size]`` as passed to
+                ``do_kv_cache_update``; only the rows in ``tree_rows`` are kept (copied, so a
+                reused activation buffer cannot change them before the commit).
+            kv_cache: the layer's paged cache tensor (any layout; the commit writes through
+                ``impl.do_kv_cache_update``).
+        """
         name = getattr(layer, "layer_name", None) or str(id(layer))
+        if self.tree_rows is not None:
+            key = key.index_select(0, self.tree_rows)
+            value = value.index_select(0, self.tree_rows)
         self.recorded_kv[name] = (layer, impl, key, value, kv_cache)
 
 

@@ -1,0 +1,227 @@
+"""The ``ddtree`` speculative config: parse, validate, translate for vLLM, carry to workers.
+
+A user writes, exactly as for vLLM's own methods::
+
+    --speculative-config '{"method": "ddtree", "model": "<DFlash drafter>", "ddtree_budget": 32}'
+
+vLLM's ``SpeculativeConfig`` is a pydantic dataclass whose ``method`` is a ``Literal`` and which
+forbids extra keys, so ``"ddtree"`` cannot reach it. :func:`translate_speculative_config` runs
+before vLLM builds that object (see :mod:`vllm_ddtree.patches`): it validates the DDTree keys,
+turns the dict into vLLM's own ``dflash`` config (so vLLM loads the DFlash drafter, its aux hidden
+states and KV cache), and returns a :class:`DDTreeConfig` that travels to every engine and
+worker process inside ``VllmConfig.additional_config["ddtree"]`` (vLLM's supported channel for
+plugin settings; it is pickled with the config).
+
+This module imports nothing from vLLM, so it is testable without an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+#: Key of the DDTree settings inside ``VllmConfig.additional_config``.
+ADDITIONAL_CONFIG_KEY = "ddtree"
+
+#: Accepted values of ``ddtree_hybrid``.
+HYBRID_MODES = ("oracle", "shadow_linear")
+
+#: Every ``ddtree_*`` key the speculative config accepts.
+DDTREE_KEYS = ("ddtree_budget", "ddtree_max_children", "ddtree_hybrid")
+
+
+class DDTreeConfigError(ValueError):
+    """A ``ddtree`` speculative config that cannot run; the message names the offending key."""
+
+
+@dataclass(frozen=True)
+class DDTreeConfig:
+    """Validated DDTree settings (paper §4; ``ddtree.py`` reference defaults).
+
+    Attributes:
+        drafter: path or id of the DFlash drafter checkpoint.
+        budget: node budget B, the number of non-root draft-tree nodes verified per step (>= 1).
+        drafter_horizon: L, the number of future positions one DFlash pass predicts
+            (``num_speculative_tokens``; at most ``block_size - 1``).
+        block_size: the drafter's DFlash block size (root + L mask tokens at most).
+        max_children: optional cap on the children of any tree node (top-k per depth).
+        hybrid: ``"oracle"`` or ``"shadow_linear"`` (how recurrent layers verify trees).
+    """
+
+    drafter: str
+    budget: int
+    drafter_horizon: int
+    block_size: int
+    max_children: int | None = None
+    hybrid: str = "oracle"
+
+    @property
+    def num_verify_slots(self) -> int:
+        """Draft slots vLLM must reserve per request: ``max(B, L)``.
+
+        B slots hold the tree nodes; the DFlash pass writes its L query positions into the
+        drafter's KV cache, which vLLM sizes by the same number of lookahead slots.
+        """
+        return max(self.budget, self.drafter_horizon)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DDTreeConfig":
+        return cls(**dict(d))
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def read_dflash_drafter_config(model: str) -> dict[str, Any]:
+    """Read a drafter's ``config.json`` and check it is a DFlash checkpoint.
+
+    Args:
+        model: a local directory (or a Hugging Face id already in the local cache).
+
+    Returns:
+        the parsed ``config.json``.
+
+    Raises:
+        DDTreeConfigError: no readable config, or ``architectures`` is not a DFlash drafter
+            (vLLM's loader, ``vllm/transformers_utils/configs/eagle.py``, keys on
+            ``DFlashDraftModel``), or ``block_size`` / ``dflash_config`` is missing.
+    """
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else None
+    if path is None:
+        try:  # a hub id: only what is already cached locally (no network is assumed)
+            from huggingface_hub import hf_hub_download
+
+            path = hf_hub_download(model, "config.json")
+        except Exception as e:  # noqa: BLE001 - any failure means "cannot read"
+            raise DDTreeConfigError(
+                f"speculative_config['model']={model!r}: cannot read the DFlash drafter's "
+                f"config.json ({type(e).__name__}: {e})"
+            ) from e
+    with open(path) as f:
+        cfg = json.load(f)
+    archs = cfg.get("architectures") or []
+    if not any("DFlash" in a for a in archs):
+        raise DDTreeConfigError(
+            f"speculative_config['model']={model!r} is not a DFlash drafter checkpoint "
+            f"(architectures={archs}); method 'ddtree' needs a DFlash drafter "
+            "(architectures ['DFlashDraftModel'] with block_size and dflash_config)"
+        )
+    if not _is_int(cfg.get("block_size")) or cfg["block_size"] < 2:
+        raise DDTreeConfigError(
+            f"speculative_config['model']={model!r}: the DFlash config has no valid "
+            f"'block_size' (got {cfg.get('block_size')!r})"
+        )
+    if not isinstance(cfg.get("dflash_config"), dict):
+        raise DDTreeConfigError(
+            f"speculative_config['model']={model!r}: the DFlash config has no 'dflash_config'"
+        )
+    return cfg
+
+
+def translate_speculative_config(
+    spec: Mapping[str, Any],
+) -> tuple[dict[str, Any], DDTreeConfig]:
+    """Validate a ``{"method": "ddtree", ...}`` dict and turn it into vLLM's ``dflash`` dict.
+
+    Args:
+        spec: the user's speculative config (CLI JSON or ``LLM(speculative_config=...)``).
+
+    Returns:
+        ``(vllm_spec, ddtree)``: ``vllm_spec`` is the same dict with ``method="dflash"``,
+        ``num_speculative_tokens=max(B, L)`` and the ``ddtree_*`` keys removed; ``ddtree`` the
+        validated settings.
+
+    Raises:
+        DDTreeConfigError: no ``model``; unknown ``ddtree_*`` key; ``ddtree_budget`` < 1 or not
+            an int; ``num_speculative_tokens`` (L) < 1 or larger than the drafter's
+            ``block_size - 1``; bad ``ddtree_max_children`` / ``ddtree_hybrid``; a drafter that is
+            not a DFlash checkpoint.
+    """
+    spec = {k.replace("-", "_"): v for k, v in spec.items()}
+    if spec.get("method") != "ddtree":
+        raise DDTreeConfigError(f"not a ddtree config: method={spec.get('method')!r}")
+    unknown = sorted(k for k in spec if k.startswith("ddtree") and k not in DDTREE_KEYS)
+    if unknown:
+        raise DDTreeConfigError(
+            f"speculative_config: unknown key(s) {unknown} for method 'ddtree'; "
+            f"valid DDTree keys are {list(DDTREE_KEYS)}"
+        )
+    model = spec.get("model")
+    if not model or not isinstance(model, str):
+        raise DDTreeConfigError(
+            "speculative_config: method 'ddtree' requires 'model', the path of a DFlash "
+            "drafter checkpoint"
+        )
+    draft_cfg = read_dflash_drafter_config(model)
+    block_size = int(draft_cfg["block_size"])
+    max_horizon = block_size - 1
+
+    horizon = spec.get("num_speculative_tokens")
+    if horizon is None:
+        horizon = max_horizon
+    if not _is_int(horizon) or horizon < 1:
+        raise DDTreeConfigError(
+            f"speculative_config['num_speculative_tokens'] (the drafter horizon L) must be an "
+            f"int >= 1, got {horizon!r}"
+        )
+    if horizon > max_horizon:
+        raise DDTreeConfigError(
+            f"speculative_config['num_speculative_tokens']={horizon} (drafter horizon L) is "
+            f"larger than the drafter's block: block_size={block_size} allows at most "
+            f"L = {max_horizon}"
+        )
+
+    budget = spec.get("ddtree_budget", horizon)  # reference default: a chain-sized tree
+    if not _is_int(budget) or budget < 1:
+        raise DDTreeConfigError(
+            f"speculative_config['ddtree_budget'] (node budget B) must be an int >= 1, "
+            f"got {budget!r}"
+        )
+    max_children = spec.get("ddtree_max_children")
+    if max_children is not None and (not _is_int(max_children) or max_children < 1):
+        raise DDTreeConfigError(
+            f"speculative_config['ddtree_max_children'] must be an int >= 1 or absent, "
+            f"got {max_children!r}"
+        )
+    hybrid = spec.get("ddtree_hybrid", "oracle")
+    if hybrid not in HYBRID_MODES:
+        raise DDTreeConfigError(
+            f"speculative_config['ddtree_hybrid'] must be one of {list(HYBRID_MODES)}, "
+            f"got {hybrid!r}"
+        )
+    for key, bad in (("disable_padded_drafter_batch", True),):
+        if spec.get(key) is bad:
+            raise DDTreeConfigError(
+                f"speculative_config['{key}']={bad} is not supported with method 'ddtree'"
+            )
+
+    ddtree = DDTreeConfig(
+        drafter=model,
+        budget=budget,
+        drafter_horizon=horizon,
+        block_size=block_size,
+        max_children=max_children,
+        hybrid=hybrid,
+    )
+    vllm_spec = {k: v for k, v in spec.items() if k not in DDTREE_KEYS}
+    vllm_spec["method"] = "dflash"
+    vllm_spec["num_speculative_tokens"] = ddtree.num_verify_slots
+    return vllm_spec, ddtree
+
+
+def ddtree_config_from(additional_config: Any) -> DDTreeConfig | None:
+    """The DDTree settings carried in ``VllmConfig.additional_config``, or ``None``."""
+    if isinstance(additional_config, Mapping) and ADDITIONAL_CONFIG_KEY in additional_config:
+        return DDTreeConfig.from_dict(additional_config[ADDITIONAL_CONFIG_KEY])
+    return None
+
+
+def get_ddtree_config(vllm_config: Any) -> DDTreeConfig | None:
+    """The DDTree settings of a ``VllmConfig`` (``None`` when DDTree is off)."""
+    return ddtree_config_from(getattr(vllm_config, "additional_config", None))
