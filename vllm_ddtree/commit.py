@@ -1,0 +1,109 @@
+"""Commit: KV compaction and the drafter context of the accepted path.
+
+Tree node ``i`` of a request was written to the KV slot of chain position ``context_len + i``,
+but vLLM's bookkeeping (``num_computed_tokens`` rollback after the step) believes accepted token
+``j`` sits at ``context_len + j``. The accepted path ``[0, a_1 … a_k]`` is scattered, so for every
+``j`` with ``a_j != j`` the K/V of node ``a_j`` is written to the slot of row ``j``, in every
+target attention layer (every attention KV-cache group). K was rotated at ``context_len + depth``
+and ``depth(a_j) = j``, so no re-rotation is needed (reference ``compact_dynamic_cache``,
+DDTree paper §3.5 of our notes).
+
+The write goes through each layer's own backend writer (``impl.do_kv_cache_update``) with the
+node's K/V as recorded during the forward, so the code is independent of the cache layout
+(CPU ``LBHNC`` with ISA-specific packing, or the GPU backends' layouts).
+
+The next DFlash pass reads the target's tapped hidden states of the committed tokens from the
+first rows of each request (vLLM's padded drafter batch, ``prepare_inputs_padded``), so the
+accepted nodes' rows are gathered to rows ``0..k`` in path order.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+from vllm_ddtree.attention.common import TreeAttentionBatch
+from vllm_ddtree.step import StepRequest
+
+
+def path_moves(requests: Iterable[StepRequest]) -> list[tuple[int, int, int]]:
+    """``(request_offset_in_tree_rows, src_node, dst_node)`` for every accepted node off its slot.
+
+    Only requests verified as trees count (``is_tree``), in order, matching
+    ``TreeAttentionBatch.tree_rows``; ``request_offset`` is where the request's rows start there.
+    """
+    moves, offset = [], 0
+    for r in requests:
+        if not r.is_tree:
+            continue
+        for j, a in enumerate(r.accepted):
+            if a != j:
+                moves.append((offset, a, j))
+        offset += r.num_rows
+    return moves
+
+
+def compact_kv(
+    batch: TreeAttentionBatch,
+    requests: Sequence[StepRequest],
+    slot_mappings: Mapping[str, torch.Tensor],
+) -> int:
+    """Write each accepted node's K/V to the slot of its committed position, in every layer.
+
+    Args:
+        batch: the tree batch of the forward, with the K/V each layer recorded
+            (``[sum(tree rows), num_kv_heads, head_size]`` per layer).
+        requests: the step's requests with ``accepted`` filled in by verification.
+        slot_mappings: ``layer_name -> [num_tokens]`` int64 slot of every flat row.
+
+    Returns:
+        the number of node K/V rows moved per layer.
+
+    Raises:
+        KeyError: a layer recorded K/V but has no slot mapping.
+    """
+    tree_reqs = [r for r in requests if r.is_tree]
+    roots = {}
+    offset = 0
+    for r in tree_reqs:
+        roots[offset] = r.root_row
+        offset += r.num_rows
+    moves = path_moves(tree_reqs)
+    if not moves:
+        return 0
+    src = torch.tensor([o + a for o, a, _ in moves], dtype=torch.long)
+    dst_rows = torch.tensor([roots[o] + j for o, _, j in moves], dtype=torch.long)
+    for name, (layer, impl, key, value, kv_cache) in batch.recorded_kv.items():
+        slots = slot_mappings[name]
+        dev = key.device
+        impl.do_kv_cache_update(
+            layer,
+            key.index_select(0, src.to(dev)),
+            value.index_select(0, src.to(dev)),
+            kv_cache,
+            slots.index_select(0, dst_rows.to(slots.device)),
+        )
+    return len(moves)
+
+
+def gather_accepted_rows(tensors: Sequence[torch.Tensor], requests: Sequence[StepRequest]) -> None:
+    """In place, move each accepted node's row to the row of its path index.
+
+    Args:
+        tensors: ``[num_tokens, ...]`` per-token tensors of the forward (the target's tapped
+            hidden states for the DFlash context).
+        requests: the step's requests with ``accepted`` filled in.
+    """
+    src, dst = [], []
+    for r in requests:
+        for j, a in enumerate(r.accepted):
+            if a != j:
+                src.append(r.root_row + a)
+                dst.append(r.root_row + j)
+    if not src:
+        return
+    for t in tensors:
+        s = torch.tensor(src, dtype=torch.long, device=t.device)
+        d = torch.tensor(dst, dtype=torch.long, device=t.device)
+        t.index_copy_(0, d, t.index_select(0, s))  # gather first: sources are never clobbered

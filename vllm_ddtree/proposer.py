@@ -1,0 +1,130 @@
+"""DDTree proposer: one DFlash drafter pass per step, then one draft tree per request.
+
+Built on vLLM's own DFlash drafter (``vllm/v1/spec_decode/dflash.py``, ``DFlashProposer``) and
+model code (``vllm/model_executor/models/qwen3_dflash.py``): context K/V from the target's
+tapped hidden states, the query block ``[bonus, MASK × L]``, one forward. Where DFlash takes the
+argmax per position (a chain), DDTree keeps the per-depth distributions ``[L, V]`` and builds the
+best-first draft tree of the B most probable prefixes (paper §4, Algorithm 1;
+:func:`vllm_ddtree.tree.build_draft_trees`). The node tokens, in tree (pop) order, are returned to
+vLLM as the request's draft tokens; the tree topology stays here, keyed by request id, for the
+next step's verification (:mod:`vllm_ddtree.step`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
+from vllm_ddtree.tree import DraftTree, build_draft_trees
+
+#: Test-only hook (see :mod:`vllm_ddtree.testing.injection`): called as
+#: ``hook(proposer, req_ids, next_token_ids, log_probs) -> log_probs`` with ``log_probs``
+#: ``[R, L, V]`` float32; it may replace the drafter's distributions. In-process engines only.
+_DRAFT_INJECTOR: Callable[..., torch.Tensor] | None = None
+
+
+def set_draft_injector(fn: Callable[..., torch.Tensor] | None) -> None:
+    """Install (or clear with ``None``) the test-only draft-distribution hook."""
+    global _DRAFT_INJECTOR
+    _DRAFT_INJECTOR = fn
+
+
+class DDTreeProposer(DFlashProposer):
+    """DFlash drafter pass + per-request draft trees.
+
+    vLLM's ``num_speculative_tokens`` is set to ``max(B, L)`` by the config translation (the
+    verification slots and drafter lookahead slots vLLM must reserve); this proposer runs the
+    drafter with L mask tokens and returns B node tokens per request.
+
+    Attributes:
+        ddtree: the validated :class:`~vllm_ddtree.config.DDTreeConfig`.
+        trees: ``req_id -> DraftTree`` proposed in the last step and not yet verified.
+        last_log_probs: ``[R, L, V]`` float32 drafter log-probs of the last pass (for metrics
+            and tests).
+
+    Raises:
+        ValueError: the node budget cannot fit in one scheduled batch
+            (``B + 1 > max_num_batched_tokens``), or exceeds the number of distinct prefixes
+            of depth <= L over the vocabulary.
+    """
+
+    def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None):
+        ddtree = get_ddtree_config(vllm_config)
+        if ddtree is None:
+            raise ValueError("DDTreeProposer needs additional_config['ddtree']")
+        super().__init__(vllm_config, device, runner)
+        self.ddtree: DDTreeConfig = ddtree
+        self._ddtree_runner = runner
+        self.trees: dict[str, DraftTree] = {}
+        self.last_log_probs: torch.Tensor | None = None
+        self._ddtree_logits: torch.Tensor | None = None
+
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        if ddtree.budget + 1 > max_tokens:
+            raise ValueError(
+                f"speculative_config['ddtree_budget']={ddtree.budget} needs {ddtree.budget + 1} "
+                f"verification slots per request, more than max_num_batched_tokens={max_tokens}"
+            )
+        vocab = vllm_config.model_config.get_vocab_size()
+        n_prefixes, width = 0, 1
+        for _ in range(ddtree.drafter_horizon):
+            width = width * min(vocab, ddtree.max_children or vocab)
+            n_prefixes += width
+            if n_prefixes >= ddtree.budget:
+                break
+        if n_prefixes < ddtree.budget:
+            raise ValueError(
+                f"speculative_config['ddtree_budget']={ddtree.budget} is impossible: only "
+                f"{n_prefixes} draft prefixes of depth <= L={ddtree.drafter_horizon} exist "
+                f"(vocab {vocab}, ddtree_max_children={ddtree.max_children})"
+            )
+
+    def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any):
+        """Keep the drafter logits ``[R * L, V]``; return DFlash's per-position argmax."""
+        logits = self.model.compute_logits(hidden_states)
+        self._ddtree_logits = logits
+        return logits.argmax(dim=-1), None
+
+    def propose(self, num_speculative_tokens: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One DFlash pass with L = ``drafter_horizon`` mask tokens, then one tree per request.
+
+        Mirrors ``SpecDecodeBaseProposer.propose`` (vllm/v1/spec_decode/llm_base_proposer.py).
+
+        Returns:
+            ``[R, B]`` int64 node tokens of each request's draft tree, in node (pop) order.
+        """
+        L = self.ddtree.drafter_horizon
+        next_token_ids = kwargs.get("next_token_ids")
+        super().propose(L, *args, **kwargs)
+        # vLLM's other code paths (dummy runs) read the slot count.
+        self.num_speculative_tokens = self.ddtree.num_verify_slots
+        logits = self._ddtree_logits
+        self._ddtree_logits = None
+        assert logits is not None
+        num_reqs = logits.shape[0] // L
+        log_probs = torch.log_softmax(logits.float().view(num_reqs, L, -1), dim=-1)
+        req_ids = list(self._ddtree_runner.input_batch.req_ids[:num_reqs])
+        if _DRAFT_INJECTOR is not None:
+            log_probs = _DRAFT_INJECTOR(self, req_ids, next_token_ids, log_probs)
+        self.last_log_probs = log_probs
+        trees = build_draft_trees(log_probs, self.ddtree.budget, self.ddtree.max_children)
+        B = self.ddtree.budget
+        out = torch.zeros(num_reqs, B, dtype=torch.int64)
+        for i, (req_id, tree) in enumerate(zip(req_ids, trees)):
+            n = tree.num_nodes
+            if n != B:  # only possible with -inf drafts; pad as a chain is NOT valid: refuse
+                raise RuntimeError(
+                    f"DDTree built {n} nodes for request {req_id}, expected the budget {B}"
+                )
+            out[i] = tree.token_ids
+            self.trees[req_id] = tree
+        return out.to(logits.device)
+
+    def forget(self, live_req_ids: set[str]) -> None:
+        """Drop trees of requests that are gone (finished or aborted)."""
+        for req_id in [r for r in self.trees if r not in live_req_ids]:
+            del self.trees[req_id]

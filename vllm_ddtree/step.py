@@ -1,0 +1,189 @@
+"""One DDTree engine step as data: which rows of vLLM's flat token batch hold which draft tree.
+
+vLLM's scheduler sees each request's draft nodes as a flat list of speculative tokens (node order)
+behind the bonus token, so it lays a request out as rows ``[bonus, node_1 … node_n]`` of the
+step's token batch and writes node ``i``'s K/V to the slot of *chain* position
+``context_len + i``. :func:`plan_tree_step` turns that layout plus the proposer's trees into a
+:class:`TreeStep`: the rows of every tree, the positions the model must read
+(``root_position + depth``, siblings share one; paper §3.3) and the ancestor masks for the
+attention backends. Trees are keyed by request id, never by shape or batch slot.
+
+The scheduler may schedule fewer than B nodes (token budget, ``max_model_len``). Nodes are in pop
+order with parents before children, so the first ``n`` nodes are still a valid draft tree
+(:func:`truncate_tree`). If the scheduled tokens are not the proposer's tree (vLLM zero-filled
+the drafts because the input did not fit the drafter, or no tree is known) the request is verified
+as a plain chain, which is exact for any token list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from vllm_ddtree.attention.common import TreeAttentionBatch, TreeAttentionRequest
+from vllm_ddtree.tree import DraftTree, chain_tree
+
+
+def truncate_tree(tree: DraftTree, n: int) -> DraftTree:
+    """The draft tree made of the root and the first ``n`` nodes of ``tree`` (pop order).
+
+    Valid because every node's parent precedes it (paper Alg. 1 pops parents first).
+
+    Raises:
+        ValueError: ``n`` is negative or larger than ``tree.num_nodes``.
+    """
+    if not 0 <= n <= tree.num_nodes:
+        raise ValueError(f"cannot truncate a tree of {tree.num_nodes} nodes to {n}")
+    if n == tree.num_nodes:
+        return tree
+    return DraftTree(
+        token_ids=tree.token_ids[:n],
+        parents=tree.parents[: n + 1],
+        depths=tree.depths[: n + 1],
+        ancestor_mask=tree.ancestor_mask[: n + 1, : n + 1],
+        path_log_probs=tree.path_log_probs[: n + 1],
+    )
+
+
+@dataclass
+class StepRequest:
+    """One request verified as a draft tree in this step.
+
+    Attributes:
+        req_id: vLLM request id.
+        batch_index: the request's row in this step's input batch.
+        root_row: flat token row of the root (bonus) token; node ``i`` is row ``root_row + i``.
+        context_len: committed tokens before the root (the root's position).
+        tree: the (possibly truncated) draft tree; ``tree.num_nodes`` = scheduled drafts.
+        is_tree: False when verified as a plain chain (no matching tree was proposed).
+        accepted: node indices of the accepted path (set by verification), starting with 0.
+    """
+
+    req_id: str
+    batch_index: int
+    root_row: int
+    context_len: int
+    tree: DraftTree
+    is_tree: bool
+    accepted: list[int] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return self.tree.num_nodes + 1
+
+
+@dataclass
+class TreeStep:
+    """Every request of one step that carries draft tokens, plus the data the hooks need.
+
+    Attributes:
+        requests: requests with at least one scheduled draft, in batch order.
+        position_rows: ``[M]`` long, flat rows whose position differs from the chain position.
+        tree_positions: ``[M]`` long, ``root_position + depth`` for those rows.
+        chain_positions: ``[M]`` long, the positions vLLM computed (restored after the forward
+            so the drafter and bookkeeping see the chain layout of the committed path).
+        attn_batch: what the tree-attention backends read during the target forward (only
+            requests whose tree is not a chain; a chain is causal attention, vLLM's own path).
+        slot_mappings: per-layer slot mappings of the forward (captured for KV compaction).
+        aux_hidden_states: the target's tapped hidden states of the forward (DFlash context).
+    """
+
+    requests: list[StepRequest]
+    position_rows: torch.Tensor
+    tree_positions: torch.Tensor
+    chain_positions: torch.Tensor
+    attn_batch: TreeAttentionBatch
+    slot_mappings: Mapping[str, torch.Tensor] | None = None
+    aux_hidden_states: Sequence[torch.Tensor] | None = None
+
+
+def _is_chain(tree: DraftTree) -> bool:
+    n = tree.num_nodes
+    return bool(torch.equal(tree.parents, torch.arange(-1, n, dtype=tree.parents.dtype)))
+
+
+def plan_tree_step(
+    req_ids: Sequence[str],
+    scheduled_spec_tokens: Mapping[str, Sequence[int]],
+    num_scheduled_tokens: Mapping[str, int],
+    query_start_loc: np.ndarray,
+    num_computed_tokens: np.ndarray,
+    trees: Mapping[str, DraftTree],
+    device: torch.device | str = "cpu",
+) -> TreeStep | None:
+    """Lay this step's draft trees onto vLLM's flat token batch.
+
+    Args:
+        req_ids: request ids in input-batch order (``input_batch.req_ids[:num_reqs]``).
+        scheduled_spec_tokens: ``scheduler_output.scheduled_spec_decode_tokens``.
+        num_scheduled_tokens: ``scheduler_output.num_scheduled_tokens``.
+        query_start_loc: ``[num_reqs + 1]`` int, first flat row of each request.
+        num_computed_tokens: ``[>= num_reqs]`` int, tokens already in the KV cache per request
+            (before this step).
+        trees: the proposer's trees by request id (consumed entries are removed by the caller).
+        device: where the position and mask tensors go (the model's device).
+
+    Returns:
+        the step plan, or ``None`` when no request carries draft tokens.
+
+    Raises:
+        ValueError: more scheduled drafts than the proposed tree has nodes while the tokens
+            match (cannot happen with vLLM's scheduler; guards silent misuse).
+    """
+    requests: list[StepRequest] = []
+    for b, req_id in enumerate(req_ids):
+        drafts = scheduled_spec_tokens.get(req_id)
+        if not drafts:
+            continue
+        n = len(drafts)
+        num_sched = int(num_scheduled_tokens[req_id])
+        root_row = int(query_start_loc[b]) + num_sched - (n + 1)
+        context_len = int(num_computed_tokens[b]) + num_sched - (n + 1)
+        tree = trees.get(req_id)
+        is_tree = (
+            tree is not None
+            and tree.num_nodes >= n
+            and tree.token_ids[:n].tolist() == list(drafts)
+        )
+        if is_tree:
+            tree = truncate_tree(tree, n)
+            is_tree = not _is_chain(tree)
+        else:
+            tree = chain_tree(torch.tensor(list(drafts), dtype=torch.long))
+        requests.append(StepRequest(req_id, b, root_row, context_len, tree, is_tree))
+    if not requests:
+        return None
+
+    rows, tpos, cpos = [], [], []
+    attn_reqs: list[TreeAttentionRequest] = []
+    tree_rows = []
+    for r in requests:
+        if not r.is_tree:
+            continue
+        idx = torch.arange(r.num_rows)
+        moved = r.tree.depths != idx  # rows whose depth position differs from the chain
+        rows.append(r.root_row + idx[moved])
+        tpos.append(r.context_len + r.tree.depths[moved])
+        cpos.append(r.context_len + idx[moved])
+        attn_reqs.append(
+            TreeAttentionRequest(
+                batch_index=r.batch_index,
+                query_start=r.root_row,
+                num_rows=r.num_rows,
+                context_len=r.context_len,
+                ancestor_mask=r.tree.ancestor_mask.to(device),
+            )
+        )
+        tree_rows.append(r.root_row + idx)
+    empty = torch.zeros(0, dtype=torch.long)
+    cat = lambda xs: (torch.cat(xs) if xs else empty).to(device)  # noqa: E731
+    return TreeStep(
+        requests=requests,
+        position_rows=cat(rows),
+        tree_positions=cat(tpos),
+        chain_positions=cat(cpos),
+        attn_batch=TreeAttentionBatch(attn_reqs, tree_rows=cat(tree_rows) if tree_rows else None),
+    )
