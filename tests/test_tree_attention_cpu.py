@@ -1,0 +1,477 @@
+"""CPU tree attention: paged-cache reader, torch reference vs vLLM's kernel, and the impl.
+
+Drives vLLM 0.32's CPU attention ops and ``CPUAttentionBackendImpl`` directly on small random
+tensors (no engine). Metadata comes from vLLM's own ``CPUAttentionMetadataBuilder.build`` run on a
+hand-made ``CommonAttentionMetadata``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ops = pytest.importorskip("vllm._custom_ops")
+
+import vllm.v1.attention.backends.cpu_attn as cpu_attn  # noqa: E402
+from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
+from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+    _get_attn_isa,
+)
+
+from vllm_ddtree.attention.common import (  # noqa: E402
+    TreeAttentionBatch,
+    TreeAttentionRequest,
+    tree_attention_active,
+)
+from vllm_ddtree.attention.cpu import (  # noqa: E402
+    DDTreeCPUAttentionBackend,
+    DDTreeCPUAttentionImpl,
+)
+from vllm_ddtree.attention.paged import (  # noqa: E402
+    gather_paged_kv,
+    tree_attention_reference,
+)
+
+LAYER_NAME = "model.layers.0.self_attn.attn"
+
+
+# --------------------------------------------------------------------------- helpers
+def make_kv_cache(num_blocks, num_kv_heads, block_size, head_size, dtype, fill=True):
+    """A CPU_ATTN cache ``[nb, Hkv, bs, 2D]`` plus vLLM's key/value views of it."""
+    if fill:  # garbage everywhere, so reading a wrong block cannot pass by accident
+        kv = torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_size).to(dtype)
+    else:
+        kv = torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_size, dtype=dtype)
+    key_cache, value_cache = kv.view(num_blocks, num_kv_heads, 2 * block_size, head_size).chunk(
+        2, dim=2
+    )
+    return kv, key_cache, value_cache
+
+
+def slots_for(block_row, positions, block_size):
+    positions = torch.as_tensor(positions, dtype=torch.long)
+    return block_row.long()[positions // block_size] * block_size + positions % block_size
+
+
+def parents_to_mask(parents):
+    """Ancestor-or-self mask of a tree given in topological order (``parents[0] == -1``)."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        mask[i, i] = True
+        if p >= 0:
+            assert p < i
+            mask[i] |= mask[p]
+    return mask
+
+
+def fake_layer(isa):
+    return SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0, layer_name=LAYER_NAME)
+
+
+@pytest.fixture
+def model_dtype(monkeypatch):
+    """``CPUAttentionBackendImpl.__init__`` reads ``get_current_vllm_config().model_config.dtype``
+    (only to decide on zentorch encoder SDPA); give it a minimal stand-in."""
+    holder = {"dtype": torch.float32}
+
+    def fake_config():
+        return SimpleNamespace(model_config=SimpleNamespace(dtype=holder["dtype"]))
+
+    monkeypatch.setattr(cpu_attn, "get_current_vllm_config", fake_config)
+    return holder
+
+
+def make_impls(num_heads, head_size, num_kv_heads, **kwargs):
+    args = (num_heads, head_size, head_size**-0.5, num_kv_heads,
+            kwargs.pop("alibi_slopes", None), kwargs.pop("sliding_window", None),
+            kwargs.pop("kv_cache_dtype", "auto"))
+    return DDTreeCPUAttentionImpl(*args, **kwargs), CPUAttentionBackendImpl(*args, **kwargs)
+
+
+def build_metadata(*, query_lens, seq_lens, block_table, slot_mapping, num_heads, num_kv_heads,
+                   head_size, block_size, dtype, isa):
+    """Run vLLM's ``CPUAttentionMetadataBuilder.build`` on a hand-made CommonAttentionMetadata.
+
+    The builder's ``__init__`` needs a full VllmConfig with registered layers, so its instance
+    attributes are set directly; ``build`` itself is vLLM's code.
+    """
+    builder = object.__new__(CPUAttentionMetadataBuilder)
+    builder.num_heads = num_heads
+    builder.num_kv_heads = num_kv_heads
+    builder.head_dim = head_size
+    builder.dtype = dtype
+    builder.window_size = -1
+    builder.block_size = block_size
+    builder.kv_cache_dtype = "auto"
+    builder.isa = isa
+    builder.is_cross_attention = False
+    builder.is_encoder_only_attention = False
+    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0)
+    cad = CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=len(query_lens),
+        num_actual_tokens=int(qsl[-1]),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=block_table,
+        slot_mapping=slot_mapping,
+        causal=True,
+    )
+    return builder.build(0, cad)
+
+
+@dataclass
+class Scenario:
+    """A step with several requests: committed prefix K/V already in the cache, fresh rows."""
+
+    kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    context_lens: list[int]
+    query_lens: list[int]
+    prefix_k: list[torch.Tensor]  # per request [ctx, Hkv, D]
+    prefix_v: list[torch.Tensor]
+    query: torch.Tensor  # [T_padded, H, D]
+    key: torch.Tensor  # [T_padded, Hkv, D]
+    value: torch.Tensor
+    slot_mapping: torch.Tensor  # [T_actual]
+    query_start: list[int]
+    metadata: object
+    isa: str
+
+
+def make_scenario(context_lens, query_lens, *, num_heads=4, num_kv_heads=2, head_size=32,
+                  block_size=32, dtype=torch.float32, pad_tokens=0, seed=0):
+    torch.manual_seed(seed)
+    isa = _get_attn_isa(dtype, block_size, head_size, "auto")
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    max_blocks = max(blocks_per_req) + 1
+    num_blocks = sum(blocks_per_req) + 5
+    perm = torch.randperm(num_blocks)  # scattered, non-monotone block ids
+    block_table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for r, nb in enumerate(blocks_per_req):
+        block_table[r, :nb] = perm[used:used + nb].to(torch.int32)
+        used += nb
+    kv, key_cache, value_cache = make_kv_cache(num_blocks, num_kv_heads, block_size, head_size,
+                                               dtype)
+    prefix_k, prefix_v = [], []
+    for r, ctx in enumerate(context_lens):
+        k = torch.randn(ctx, num_kv_heads, head_size).to(dtype)
+        v = torch.randn(ctx, num_kv_heads, head_size).to(dtype)
+        if ctx:
+            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache,
+                                           slots_for(block_table[r], range(ctx), block_size), isa)
+        prefix_k.append(k)
+        prefix_v.append(v)
+    total = sum(query_lens)
+    query = torch.randn(total + pad_tokens, num_heads, head_size).to(dtype)
+    key = torch.randn(total + pad_tokens, num_kv_heads, head_size).to(dtype)
+    value = torch.randn(total + pad_tokens, num_kv_heads, head_size).to(dtype)
+    slot_mapping = torch.cat([
+        slots_for(block_table[r], range(c, c + q), block_size)
+        for r, (c, q) in enumerate(zip(context_lens, query_lens))
+    ])
+    query_start = [0]
+    for q in query_lens:
+        query_start.append(query_start[-1] + q)
+    metadata = build_metadata(
+        query_lens=query_lens, seq_lens=seq_lens, block_table=block_table,
+        slot_mapping=slot_mapping, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_size=head_size, block_size=block_size, dtype=dtype, isa=isa,
+    )
+    return Scenario(kv, block_table, list(context_lens), list(query_lens), prefix_k, prefix_v,
+                    query, key, value, slot_mapping, query_start, metadata, isa)
+
+
+def run_impl(impl, sc, kv_cache, *, output_2d=False):
+    layer = fake_layer(sc.isa)
+    num_tokens, num_heads, head_size = sc.query.shape
+    shape = (num_tokens, num_heads * head_size) if output_2d else (num_tokens, num_heads,
+                                                                   head_size)
+    output = torch.full(shape, 7.0, dtype=sc.query.dtype)
+    n_act = sc.metadata.num_actual_tokens
+    impl.do_kv_cache_update(layer, sc.key[:n_act], sc.value[:n_act], kv_cache, sc.slot_mapping)
+    result = impl.forward(layer, sc.query, sc.key, sc.value, kv_cache, sc.metadata, output)
+    assert result is output
+    return output.view(num_tokens, num_heads, head_size)
+
+
+# --------------------------------------------------------------------------- gather_paged_kv
+GATHER_CASES = [
+    ("vec", 32, 32, torch.float32),
+    ("vec", 64, 64, torch.bfloat16),
+    ("vec", 128, 32, torch.float16),
+    ("vec16", 48, 16, torch.float32),
+    ("vec16", 80, 32, torch.bfloat16),
+    ("vec16", 32, 16, torch.float32),
+    ("amx", 64, 32, torch.bfloat16),
+    ("amx", 128, 64, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("isa,head_size,block_size,dtype", GATHER_CASES)
+def test_gather_paged_kv_reads_what_the_writer_wrote(isa, head_size, block_size, dtype):
+    torch.manual_seed(1)
+    num_kv_heads, num_blocks = 3, 11
+    num_tokens = 3 * block_size + 5  # spans four blocks, last one partial
+    block_row = torch.tensor([7, 2, 10, 4, 0, 0], dtype=torch.int32)
+    kv, key_cache, value_cache = make_kv_cache(num_blocks, num_kv_heads, block_size, head_size,
+                                               dtype)
+    keys = torch.randn(num_tokens, num_kv_heads, head_size).to(dtype)
+    values = torch.randn(num_tokens, num_kv_heads, head_size).to(dtype)
+    # write in a shuffled token order, as a mixed batch would
+    order = torch.randperm(num_tokens)
+    try:
+        ops.cpu_attn_reshape_and_cache(keys[order], values[order], key_cache, value_cache,
+                                       slots_for(block_row, order, block_size), isa)
+    except RuntimeError as exc:  # the writer for this ISA is not built / not runnable here
+        pytest.skip(f"cpu_attn_reshape_and_cache({isa!r}) unavailable: {exc}")
+
+    got_k, got_v = gather_paged_kv(key_cache, value_cache, block_row, num_tokens, isa)
+    assert got_k.shape == (num_tokens, num_kv_heads, head_size) and got_k.dtype == dtype
+    assert torch.equal(got_k, keys)
+    assert torch.equal(got_v, values)
+    part_k, part_v = gather_paged_kv(key_cache, value_cache, block_row, block_size + 3, isa)
+    assert torch.equal(part_k, keys[:block_size + 3]) and torch.equal(part_v,
+                                                                      values[:block_size + 3])
+    empty_k, empty_v = gather_paged_kv(key_cache, value_cache, block_row, 0, isa)
+    assert empty_k.shape == (0, num_kv_heads, head_size) and empty_v.shape == empty_k.shape
+    # the reader must not have touched the cache
+    assert torch.equal(kv.view(num_blocks, num_kv_heads, 2 * block_size, head_size).chunk(
+        2, dim=2)[0], key_cache)
+
+
+def test_gather_paged_kv_refuses_unverified_layouts():
+    _, key_cache, value_cache = make_kv_cache(4, 2, 32, 32, torch.float32)
+    row = torch.tensor([0, 1], dtype=torch.int32)
+    for isa in ("neon", "rvv", "vxe", "vsx", "bogus"):
+        with pytest.raises(NotImplementedError, match=repr(isa)):
+            gather_paged_kv(key_cache, value_cache, row, 10, isa)
+    with pytest.raises(NotImplementedError, match="amx"):  # amx verified for bf16 only
+        gather_paged_kv(key_cache, value_cache, row, 10, "amx")
+    fp8 = key_cache.to(torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="fp8"):
+        gather_paged_kv(fp8, fp8, row, 10, "vec")
+    with pytest.raises(ValueError, match="blocks"):
+        gather_paged_kv(key_cache, value_cache, row, 65, "vec")
+
+
+# --------------------------------------------------------------------------- reference vs vLLM
+@pytest.mark.parametrize("head_size,block_size", [(32, 32), (48, 16)])
+def test_reference_with_chain_mask_equals_vllm_causal(head_size, block_size):
+    context_lens = [0, 37, 70, 64]
+    query_lens = [5, 1, 9, 4]
+    sc = make_scenario(context_lens, query_lens, head_size=head_size, block_size=block_size,
+                       num_heads=6, num_kv_heads=2)
+    key_cache, value_cache = sc.kv_cache.view(sc.kv_cache.shape[0], 2, 2 * block_size,
+                                              head_size).chunk(2, dim=2)
+    n_act = sc.metadata.num_actual_tokens
+    ops.cpu_attn_reshape_and_cache(sc.key[:n_act], sc.value[:n_act], key_cache, value_cache,
+                                   sc.slot_mapping, sc.isa)
+    out = torch.zeros_like(sc.query)
+    md = sc.metadata
+    ops.cpu_attention_with_kv_cache(
+        query=sc.query, key_cache=key_cache, value_cache=value_cache, output=out,
+        query_start_loc=md.query_start_loc, seq_lens=md.seq_lens, scale=head_size**-0.5,
+        causal=True, alibi_slopes=None, sliding_window=-1, block_table=md.block_table,
+        softcap=0.0, scheduler_metadata=md.scheduler_metadata, s_aux=None,
+    )
+    for r, (ctx, n) in enumerate(zip(context_lens, query_lens)):
+        rows = slice(sc.query_start[r], sc.query_start[r] + n)
+        keys, values = gather_paged_kv(key_cache, value_cache, sc.block_table[r], ctx + n, sc.isa)
+        chain = torch.tril(torch.ones(n, n, dtype=torch.bool))
+        ref = tree_attention_reference(sc.query[rows], keys, values, ctx, chain, head_size**-0.5)
+        torch.testing.assert_close(ref, out[rows], rtol=1e-5, atol=1e-5)
+
+
+def test_masking_an_ancestor_changes_exactly_the_rows_that_saw_it():
+    torch.manual_seed(3)
+    ctx, parents = 13, [-1, 0, 0, 1, 1, 2, 3, 5]
+    n, heads, kv_heads, d = len(parents), 4, 1, 32
+    q = torch.randn(n, heads, d)
+    k = torch.randn(ctx + n, kv_heads, d)
+    v = torch.randn(ctx + n, kv_heads, d)
+    mask = parents_to_mask(parents)
+    base = tree_attention_reference(q, k, v, ctx, mask, d**-0.5)
+
+    # drop one ancestor (node 1) from one row (node 6, path 0-1-3-6): only row 6 changes
+    m1 = mask.clone()
+    m1[6, 1] = False
+    out1 = tree_attention_reference(q, k, v, ctx, m1, d**-0.5)
+    changed = (out1 - base).abs().amax(dim=(1, 2)) > 1e-6
+    assert changed.tolist() == [i == 6 for i in range(n)]
+    assert torch.equal(out1[~changed], base[~changed])
+
+    # hide node 1 from everyone: exactly its descendants (1, 3, 4, 6) change
+    m2 = mask.clone()
+    m2[:, 1] = False
+    out2 = tree_attention_reference(q, k, v, ctx, m2, d**-0.5)
+    changed = (out2 - base).abs().amax(dim=(1, 2)) > 1e-6
+    assert changed.tolist() == mask[:, 1].tolist()
+    assert torch.equal(out2[~changed], base[~changed])
+
+    # a sibling branch never influences a row: row 5 (path 0-2-5) ignores keys of nodes 1, 3
+    k2 = k.clone()
+    k2[ctx + 1] += 5.0
+    k2[ctx + 3] -= 5.0
+    out3 = tree_attention_reference(q, k2, v, ctx, mask, d**-0.5)
+    assert torch.equal(out3[[0, 2, 5, 7]], base[[0, 2, 5, 7]])
+    assert not torch.allclose(out3[[1, 3, 4, 6]], base[[1, 3, 4, 6]])
+
+
+def test_reference_validates_inputs():
+    q, k = torch.randn(3, 4, 8), torch.randn(5, 2, 8)
+    m = torch.ones(3, 3, dtype=torch.bool)
+    with pytest.raises(ValueError):
+        tree_attention_reference(q, k, k, 1, m, 1.0)  # S != ctx + n
+    with pytest.raises(ValueError):
+        tree_attention_reference(torch.randn(3, 3, 8), k, k, 2, m, 1.0)  # 3 % 2 heads
+    with pytest.raises(ValueError):
+        tree_attention_reference(q, k[:3], k[:3], 0, torch.zeros(3, 3, dtype=torch.bool), 1.0)
+    out = tree_attention_reference(q.bfloat16(), k, k, 2, m, 1.0)
+    assert out.dtype == torch.bfloat16 and out.shape == (3, 4, 8)
+
+
+# --------------------------------------------------------------------------- the impl
+def test_backend_class_is_cpu_attn_with_our_impl():
+    assert issubclass(DDTreeCPUAttentionBackend, CPUAttentionBackend)
+    assert DDTreeCPUAttentionBackend.get_name() == "CPU_ATTN"
+    assert DDTreeCPUAttentionBackend.get_impl_cls() is DDTreeCPUAttentionImpl
+    assert DDTreeCPUAttentionBackend.get_builder_cls() is CPUAttentionBackend.get_builder_cls()
+    assert DDTreeCPUAttentionBackend.get_supported_head_sizes() == \
+        CPUAttentionBackend.get_supported_head_sizes()
+    assert DDTreeCPUAttentionBackend.forward_includes_kv_cache_update is False
+    assert DDTreeCPUAttentionBackend.supported_kv_cache_layouts() == \
+        CPUAttentionBackend.supported_kv_cache_layouts()
+
+
+E2E_CASES = [
+    # head_size, block_size, dtype, output_2d
+    (32, 32, torch.float32, False),
+    (32, 32, torch.float32, True),
+    (48, 16, torch.float32, False),  # vec16
+    (64, 32, torch.bfloat16, False),
+]
+
+
+@pytest.mark.parametrize("head_size,block_size,dtype,output_2d", E2E_CASES)
+def test_impl_tree_rows_use_ancestor_mask_others_match_vllm(model_dtype, head_size, block_size,
+                                                             dtype, output_2d):
+    model_dtype["dtype"] = dtype
+    heads, kv_heads = 4, 2
+    tree1 = [-1, 0, 0, 1, 1, 2, 3]  # branching: two children of the root, ...
+    tree3 = [-1, 0, 1, 0, 3]
+    #            decode  tree1       chunked prefill  tree3 (root at a block boundary)
+    context_lens = [20, 45, 10, 2 * block_size]
+    query_lens = [1, len(tree1), 6, len(tree3)]
+    sc = make_scenario(context_lens, query_lens, num_heads=heads, num_kv_heads=kv_heads,
+                       head_size=head_size, block_size=block_size, dtype=dtype, pad_tokens=3)
+    masks = {1: parents_to_mask(tree1), 3: parents_to_mask(tree3)}
+    requests = [
+        TreeAttentionRequest(batch_index=r, query_start=sc.query_start[r], num_rows=query_lens[r],
+                             context_len=context_lens[r], ancestor_mask=masks[r])
+        for r in (1, 3)
+    ]
+    tree_rows = torch.cat([torch.arange(q.query_start, q.query_start + q.num_rows)
+                           for q in requests])
+    batch = TreeAttentionBatch(requests=requests, tree_rows=tree_rows)
+    ours, vllms = make_impls(heads, head_size, kv_heads)
+
+    kv_ours, kv_vllm = sc.kv_cache.clone(), sc.kv_cache.clone()
+    with tree_attention_active(batch):
+        out = run_impl(ours, sc, kv_ours, output_2d=output_2d)
+    expected = run_impl(vllms, sc, kv_vllm, output_2d=output_2d)
+
+    assert torch.equal(kv_ours, kv_vllm)  # identical KV writes
+    tree_mask = torch.zeros(sc.query.shape[0], dtype=torch.bool)
+    tree_mask[tree_rows] = True
+    # non-tree rows (decode, chunked prefill, padding) are vLLM's result, bit for bit
+    assert torch.equal(out[~tree_mask], expected[~tree_mask])
+
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for req in requests:
+        rows = slice(req.query_start, req.query_start + req.num_rows)
+        b = req.batch_index
+        keys = torch.cat([sc.prefix_k[b], sc.key[rows]])
+        values = torch.cat([sc.prefix_v[b], sc.value[rows]])
+        ref = tree_attention_reference(sc.query[rows], keys, values, req.context_len,
+                                       req.ancestor_mask, head_size**-0.5)
+        torch.testing.assert_close(out[rows], ref, **tol)
+        # rows whose ancestor set is not the causal prefix really differ from vLLM's causal result
+        non_chain = ~(req.ancestor_mask == torch.tril(torch.ones_like(req.ancestor_mask))).all(1)
+        assert non_chain.any()
+        diff = (out[rows][non_chain].float() - expected[rows][non_chain].float()).abs().amax()
+        assert diff > 1e-2
+        # chain rows (the root and first-child path) agree with the causal kernel
+        torch.testing.assert_close(out[rows][~non_chain], expected[rows][~non_chain], **tol)
+
+    layer, impl, rec_k, rec_v, rec_cache = batch.recorded_kv[LAYER_NAME]
+    assert impl is ours and layer.isa == sc.isa and rec_cache is kv_ours
+    assert torch.equal(rec_k, sc.key[tree_rows]) and torch.equal(rec_v, sc.value[tree_rows])
+
+
+def test_impl_without_active_batch_is_vllm(model_dtype):
+    sc = make_scenario([20, 45, 0], [1, 7, 5], pad_tokens=2, seed=5)
+    ours, vllms = make_impls(4, 32, 2)
+    kv_ours, kv_vllm = sc.kv_cache.clone(), sc.kv_cache.clone()
+    out = run_impl(ours, sc, kv_ours)
+    expected = run_impl(vllms, sc, kv_vllm)
+    assert torch.equal(out, expected) and torch.equal(kv_ours, kv_vllm)
+    # an active batch without tree requests changes nothing either
+    kv_ours2 = sc.kv_cache.clone()
+    with tree_attention_active(TreeAttentionBatch(requests=[])):
+        out2 = run_impl(ours, sc, kv_ours2)
+    assert torch.equal(out2, expected) and torch.equal(kv_ours2, kv_vllm)
+    # warm-up call (no metadata) returns output untouched, as vLLM does
+    output = torch.full((3, 4, 32), 7.0)
+    with tree_attention_active(TreeAttentionBatch(requests=[])):
+        assert ours.forward(fake_layer(sc.isa), sc.query[:3], sc.key[:3], sc.value[:3],
+                            kv_ours, None, output) is output
+    assert (output == 7.0).all()
+
+
+def _one_tree_batch(sc, r=1):
+    return TreeAttentionBatch(requests=[TreeAttentionRequest(
+        batch_index=r, query_start=sc.query_start[r], num_rows=sc.query_lens[r],
+        context_len=sc.context_lens[r], ancestor_mask=parents_to_mask([-1, 0, 0, 1]))])
+
+
+@pytest.mark.parametrize("feature,kwargs", [
+    ("sliding window", dict(sliding_window=16)),
+    ("ALiBi", dict(alibi_slopes=[0.5, 0.25, 0.125, 0.0625])),
+    ("logits soft cap", dict(logits_soft_cap=30.0)),
+    ("attention sinks", dict(sinks=torch.zeros(4))),
+    ("fp8 KV cache", dict(kv_cache_dtype="fp8")),
+])
+def test_impl_refuses_unsupported_features_on_tree_rows(model_dtype, feature, kwargs):
+    sc = make_scenario([20, 30], [1, 4])
+    ours, _ = make_impls(4, 32, 2, **kwargs)
+    output = torch.zeros_like(sc.query)
+    with tree_attention_active(_one_tree_batch(sc)):
+        with pytest.raises(NotImplementedError, match=feature):
+            ours.forward(fake_layer(sc.isa), sc.query, sc.key, sc.value, sc.kv_cache,
+                         sc.metadata, output)
+
+
+def test_impl_rejects_tree_inconsistent_with_metadata(model_dtype):
+    sc = make_scenario([20, 30], [1, 4])
+    ours, _ = make_impls(4, 32, 2)
+    layer, output = fake_layer(sc.isa), torch.zeros_like(sc.query)
+    bad_ctx = _one_tree_batch(sc)
+    bad_ctx.requests[0].context_len = 29
+    bad_rows = _one_tree_batch(sc)
+    bad_rows.requests[0].query_start = 0
+    for batch, match in ((bad_ctx, "position"), (bad_rows, "inside")):
+        with tree_attention_active(batch), pytest.raises(ValueError, match=match):
+            ours.forward(layer, sc.query, sc.key, sc.value, sc.kv_cache, sc.metadata, output)

@@ -1,0 +1,204 @@
+"""Pure-torch tree attention over vLLM's CPU paged KV cache.
+
+Two pieces, both free of vLLM imports so they also serve as test oracles:
+
+* :func:`tree_attention_reference` -- the ancestor-only attention of the DDTree paper (§3,
+  "tree attention": a node sees the committed prefix, its ancestors and itself), computed
+  densely in float32. The removed ``vllm/v1/attention/backends/tree_attn.py`` expressed the same
+  pattern as an additive ``[-inf, 0]`` bias on the in-window block (``_prepare_tree_attn_bias``);
+  here it is a boolean mask, one per request.
+* :func:`gather_paged_kv` -- reads a request's first ``num_tokens`` keys/values back out of the
+  cache written by ``vllm._custom_ops.cpu_attn_reshape_and_cache`` (vLLM 0.32,
+  ``vllm/v1/attention/backends/cpu_attn.py``). The block-interior layout depends on the ISA
+  string the CPU backend picked (``layer.isa``); only the layouts verified against that writer are
+  read (see :data:`VERIFIED_ISAS`), anything else raises ``NotImplementedError``.
+
+Layouts (per block ``b`` and KV head ``h``; the cache tensor is ``[num_blocks, num_kv_heads,
+block_size, 2 * head_size]``, viewed ``[nb, Hkv, 2 * bs, D]`` and split in halves, so the key part
+and the value part of a ``(b, h)`` pair are each ``bs * D`` contiguous elements; ``t`` is the
+token's offset in the block, ``d`` the channel):
+
+* ``vec`` / ``vec16``: keys transposed, ``K[t, d]`` at ``d * bs + t``; values row-major,
+  ``V[t, d]`` at ``t * D + d``.
+* ``amx`` (bf16 only; ``head_size % 32 == 0`` and ``block_size % 32 == 0``, the only case vLLM's
+  ``_get_attn_isa`` picks it): keys in 16-token tiles of channel pairs,
+  ``K[16 * g + r, 2 * p + e]`` at ``((g * D / 2 + p) * 16 + r) * 2 + e``; values in 16-channel
+  tiles of token pairs, ``V[2 * q + e, 16 * c + r]`` at ``((c * bs / 2 + q) * 16 + r) * 2 + e``.
+
+These were found by writing known values through ``cpu_attn_reshape_and_cache`` (fp32/bf16/fp16
+for vec and vec16 over head sizes 32-128 and block sizes 16-128; bf16 for amx over head sizes
+32-256 and block sizes 32-128) and locating every element; ``tests/test_tree_attention_cpu.py``
+re-checks them against the writer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: ISA strings whose block layout :func:`gather_paged_kv` can read.
+VERIFIED_ISAS: tuple[str, ...] = ("vec", "vec16", "amx")
+
+
+def tree_attention_reference(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    context_len: int,
+    ancestor_mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Ancestor-only attention for one request's draft tree (DDTree §3).
+
+    Query row ``i`` attends to keys ``0 .. context_len - 1`` (the committed prefix) and to the
+    tree key ``context_len + j`` for every ``j`` with ``ancestor_mask[i, j]``. Grouped-query
+    attention repeats each KV head for ``H // Hkv`` consecutive query heads (vLLM's convention).
+    Computed in float32; no sliding window, ALiBi, soft cap or sinks.
+
+    Args:
+        query: ``[n, H, D]`` (any float dtype).
+        keys: ``[context_len + n, Hkv, D]``: prefix keys followed by the tree's own keys.
+        values: ``[context_len + n, Hkv, Dv]``, same row order as ``keys``.
+        context_len: number of committed tokens before the tree's root.
+        ancestor_mask: ``[n, n]`` bool; ``[i, j]`` true iff row ``i`` may see tree row ``j``
+            (normally ``j`` is ``i`` or an ancestor of ``i``).
+        scale: softmax scale (usually ``head_size ** -0.5``).
+
+    Returns:
+        ``[n, H, Dv]`` in ``query.dtype``.
+
+    Raises:
+        ValueError: inconsistent shapes, ``H % Hkv != 0``, a negative ``context_len``, or a row
+            that would see no key at all (empty softmax).
+    """
+    if query.dim() != 3 or keys.dim() != 3 or values.dim() != 3:
+        raise ValueError(
+            f"expected query [n, H, D], keys/values [S, Hkv, D]; got {tuple(query.shape)}, "
+            f"{tuple(keys.shape)}, {tuple(values.shape)}"
+        )
+    n, num_heads, head_size = query.shape
+    seq_len, num_kv_heads, _ = keys.shape
+    if context_len < 0 or seq_len != context_len + n:
+        raise ValueError(
+            f"keys hold {seq_len} tokens but context_len + n = {context_len} + {n}"
+        )
+    if keys.shape[2] != head_size or values.shape[:2] != keys.shape[:2]:
+        raise ValueError(
+            f"keys {tuple(keys.shape)} / values {tuple(values.shape)} do not match query "
+            f"{tuple(query.shape)}"
+        )
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if tuple(ancestor_mask.shape) != (n, n):
+        raise ValueError(f"ancestor_mask is {tuple(ancestor_mask.shape)}, expected ({n}, {n})")
+
+    device = query.device
+    tree_mask = ancestor_mask.to(device=device, dtype=torch.bool)
+    visible = torch.cat(
+        [torch.ones(n, context_len, dtype=torch.bool, device=device), tree_mask], dim=1
+    )  # [n, S]
+    if n and not bool(visible.any(dim=1).all()):
+        raise ValueError("a tree row sees no key (empty ancestor row with context_len == 0)")
+
+    group = num_heads // num_kv_heads
+    q = query.to(torch.float32).transpose(0, 1)  # [H, n, D]
+    k = keys.to(device=device, dtype=torch.float32).transpose(0, 1)  # [Hkv, S, D]
+    v = values.to(device=device, dtype=torch.float32).transpose(0, 1)  # [Hkv, S, Dv]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+    scores = torch.matmul(q, k.transpose(1, 2)) * float(scale)  # [H, n, S]
+    scores = scores.masked_fill(~visible.unsqueeze(0), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v)  # [H, n, Dv]
+    return out.transpose(0, 1).to(query.dtype)
+
+
+def _check_layout_supported(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> None:
+    if isa not in VERIFIED_ISAS:
+        raise NotImplementedError(
+            f"gather_paged_kv: the KV-cache block layout of CPU attention ISA {isa!r} has not "
+            f"been verified (verified: {', '.join(VERIFIED_ISAS)})"
+        )
+    if dtype in (torch.uint8, torch.int8) or dtype.is_floating_point and dtype.itemsize == 1:
+        raise NotImplementedError(
+            f"gather_paged_kv: fp8 KV cache ({dtype}) is not supported (no dequantisation)"
+        )
+    if isa == "amx" and (
+        dtype != torch.bfloat16 or head_size % 32 != 0 or block_size % 32 != 0
+    ):
+        raise NotImplementedError(
+            "gather_paged_kv: the 'amx' layout was verified only for bf16 with head_size and "
+            f"block_size multiples of 32 (got {dtype}, head_size={head_size}, "
+            f"block_size={block_size})"
+        )
+
+
+def gather_paged_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table_row: torch.Tensor,
+    num_tokens: int,
+    isa: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read the first ``num_tokens`` keys and values of one request from the CPU paged cache.
+
+    Inverts ``vllm._custom_ops.cpu_attn_reshape_and_cache`` for the layouts listed in the module
+    docstring: token ``p`` of the request lives in block ``block_table_row[p // bs]`` at offset
+    ``p % bs``.
+
+    Args:
+        key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_size]`` each, the two
+            halves of the CPU backend's cache as ``CPUAttentionBackendImpl`` makes them
+            (``kv_cache.view(nb, Hkv, 2 * bs, D).chunk(2, dim=2)``). Logical ``[bs, D]`` indexing
+            of these views is *not* ``[token, channel]``; only the raw block memory is used.
+        block_table_row: ``[>= ceil(num_tokens / bs)]`` integer block ids of the request.
+        num_tokens: how many leading tokens to read (may be 0).
+        isa: the ISA string the backend wrote with (``layer.isa``).
+
+    Returns:
+        ``(keys, values)``, each ``[num_tokens, num_kv_heads, head_size]`` in the cache dtype
+        (fresh tensors, not views of the cache).
+
+    Raises:
+        NotImplementedError: an ISA / dtype / shape whose layout was not verified (includes fp8).
+        ValueError: ``block_table_row`` too short or bad shapes.
+    """
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} must "
+            "both be [num_blocks, num_kv_heads, block_size, head_size]"
+        )
+    _, num_kv_heads, block_size, head_size = key_cache.shape
+    _check_layout_supported(isa, key_cache.dtype, block_size, head_size)
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    num_blocks = -(-num_tokens // block_size)
+    if block_table_row.numel() < num_blocks:
+        raise ValueError(
+            f"{num_tokens} tokens need {num_blocks} blocks, block table row has "
+            f"{block_table_row.numel()}"
+        )
+    blocks = block_table_row.reshape(-1)[:num_blocks].to(device=key_cache.device, dtype=torch.long)
+    # Advanced indexing copies each selected (block, head) interior into row-major memory, so the
+    # reshapes below reinterpret exactly the bytes the writer laid down.
+    k_raw = key_cache[blocks]  # [m, Hkv, bs, D] raw
+    v_raw = value_cache[blocks]
+    m = blocks.numel()
+    if isa in ("vec", "vec16"):
+        keys = k_raw.reshape(m, num_kv_heads, head_size, block_size).transpose(2, 3)
+        values = v_raw.reshape(m, num_kv_heads, block_size, head_size)
+    else:  # amx
+        keys = (
+            k_raw.reshape(m, num_kv_heads, block_size // 16, head_size // 2, 16, 2)
+            .permute(0, 1, 2, 4, 3, 5)  # [m, Hkv, g, r, p, e]
+            .reshape(m, num_kv_heads, block_size, head_size)
+        )
+        values = (
+            v_raw.reshape(m, num_kv_heads, head_size // 16, block_size // 2, 16, 2)
+            .permute(0, 1, 3, 5, 2, 4)  # [m, Hkv, q, e, c, r]
+            .reshape(m, num_kv_heads, block_size, head_size)
+        )
+    # [m, Hkv, bs, D] -> [m * bs, Hkv, D]
+    keys = keys.permute(0, 2, 1, 3).reshape(m * block_size, num_kv_heads, head_size)
+    values = values.permute(0, 2, 1, 3).reshape(m * block_size, num_kv_heads, head_size)
+    return keys[:num_tokens].contiguous(), values[:num_tokens].contiguous()
