@@ -313,7 +313,7 @@ def _sample(original: Callable) -> Callable:
         from vllm.v1.outputs import SamplerOutput
 
         from vllm_ddtree.commit import compact_kv, gather_accepted_rows
-        from vllm_ddtree.verify import verify_greedy
+        from vllm_ddtree.verify import notify_observer, verify_greedy
 
         if not self.input_batch.sampling_metadata.all_greedy:
             raise RuntimeError(
@@ -322,6 +322,7 @@ def _sample(original: Callable) -> Callable:
             )
         by_batch = {r.batch_index: r for r in step.requests}
         sampled = verify_greedy(logits, spec_decode_metadata.num_draft_tokens, by_batch)
+        notify_observer(step, logits, spec_decode_metadata.num_draft_tokens)
         if step.attn_batch.recorded_kv:
             compact_kv(step.attn_batch, step.requests, step.slot_mappings)
         if step.aux_hidden_states is not None:

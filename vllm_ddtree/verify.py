@@ -14,7 +14,7 @@ per request, accepted draft tokens + 1 = emitted tokens, and accepted token ``j`
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -22,6 +22,22 @@ from vllm_ddtree.step import StepRequest
 from vllm_ddtree.tree import follow_tree
 
 PLACEHOLDER_TOKEN_ID = -1
+
+#: Test-only observer (``vllm_ddtree.testing.injection``): called after every verified step as
+#: ``observer(step, logits, num_draft_tokens)``. In-process engines only.
+_VERIFY_OBSERVER: Callable[..., None] | None = None
+
+
+def set_verify_observer(fn: Callable[..., None] | None) -> None:
+    """Install (or clear with ``None``) the test-only verification observer."""
+    global _VERIFY_OBSERVER
+    _VERIFY_OBSERVER = fn
+
+
+def notify_observer(step: Any, logits: torch.Tensor, num_draft_tokens: Sequence[int]) -> None:
+    """Hand a verified step to the test-only observer, if any."""
+    if _VERIFY_OBSERVER is not None:
+        _VERIFY_OBSERVER(step, logits, num_draft_tokens)
 
 
 def verify_greedy(
@@ -101,9 +117,7 @@ def validate_sampling_params(params: Any) -> None:
         )
     for name, unused in _UNSUPPORTED_SAMPLING.items():
         value = getattr(params, name, unused)
-        if value in (unused, [], {}) or (name == "bad_words" and not value):
-            continue
-        if name == "structured_outputs" and value is None:
+        if value is None or value == unused or value in ([], {}):
             continue
         raise ValueError(
             f"speculative method 'ddtree' does not support SamplingParams.{name}={value!r} yet"
