@@ -1,0 +1,164 @@
+"""The ``ddtree`` speculative config: validation, translation to vLLM's dflash config, guard."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_ddtree.config import (
+    ADDITIONAL_CONFIG_KEY,
+    DDTreeConfig,
+    DDTreeConfigError,
+    ddtree_config_from,
+    translate_speculative_config,
+)
+
+
+def spec(drafter, **kw):
+    return {"method": "ddtree", "model": str(drafter), **kw}
+
+
+def test_translation_defaults(dflash_drafter):
+    vllm_spec, cfg = translate_speculative_config(spec(dflash_drafter))
+    # block_size 16 -> L = 15; reference default budget = a chain-sized tree (B = L)
+    assert cfg.drafter_horizon == 15 and cfg.budget == 15 and cfg.block_size == 16
+    assert cfg.hybrid == "oracle" and cfg.max_children is None
+    assert vllm_spec == {"method": "dflash", "model": str(dflash_drafter),
+                         "num_speculative_tokens": 15}
+
+
+@pytest.mark.parametrize("budget, horizon, slots", [(1, 15, 15), (64, 15, 64), (40, 7, 40)])
+def test_budget_is_independent_of_horizon(dflash_drafter, budget, horizon, slots):
+    vllm_spec, cfg = translate_speculative_config(
+        spec(dflash_drafter, ddtree_budget=budget, num_speculative_tokens=horizon,
+             ddtree_max_children=4, ddtree_hybrid="shadow_linear")
+    )
+    assert (cfg.budget, cfg.drafter_horizon, cfg.max_children, cfg.hybrid) == (
+        budget, horizon, 4, "shadow_linear")
+    assert vllm_spec["num_speculative_tokens"] == slots  # max(B, L) verification slots
+    assert not any(k.startswith("ddtree") for k in vllm_spec)
+
+
+def test_round_trip_through_additional_config(dflash_drafter):
+    _, cfg = translate_speculative_config(spec(dflash_drafter, ddtree_budget=8))
+    carried = json.loads(json.dumps({ADDITIONAL_CONFIG_KEY: cfg.to_dict()}))
+    assert ddtree_config_from(carried) == cfg
+    assert ddtree_config_from({}) is None and ddtree_config_from(None) is None
+    assert DDTreeConfig.from_dict(cfg.to_dict()).num_verify_slots == 15
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"ddtree_budget": 0}, r"ddtree_budget"),
+        ({"ddtree_budget": -3}, r"ddtree_budget"),
+        ({"ddtree_budget": 2.5}, r"ddtree_budget"),
+        ({"ddtree_budget": True}, r"ddtree_budget"),
+        ({"num_speculative_tokens": 16}, r"num_speculative_tokens.*block_size=16"),
+        ({"num_speculative_tokens": 0}, r"num_speculative_tokens"),
+        ({"ddtree_bugdet": 4}, r"unknown key.*ddtree_bugdet"),
+        ({"ddtree_max_children": 0}, r"ddtree_max_children"),
+        ({"ddtree_hybrid": "chain"}, r"ddtree_hybrid"),
+        ({"disable_padded_drafter_batch": True}, r"disable_padded_drafter_batch"),
+    ],
+)
+def test_bad_values_name_the_key(dflash_drafter, extra, match):
+    with pytest.raises(DDTreeConfigError, match=match):
+        translate_speculative_config(spec(dflash_drafter, **extra))
+
+
+def test_requires_model():
+    with pytest.raises(DDTreeConfigError, match=r"requires 'model'"):
+        translate_speculative_config({"method": "ddtree", "ddtree_budget": 4})
+
+
+def test_rejects_non_dflash_drafter(qwen3_target, tmp_path):
+    with pytest.raises(DDTreeConfigError, match=r"not a DFlash drafter"):
+        translate_speculative_config(spec(qwen3_target))
+    with pytest.raises(DDTreeConfigError, match=r"cannot read"):
+        translate_speculative_config(spec(tmp_path / "missing"))
+    bad = tmp_path / "noblock"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
+    with pytest.raises(DDTreeConfigError, match=r"block_size"):
+        translate_speculative_config(spec(bad))
+
+
+def test_version_guard_names_both_versions(monkeypatch):
+    import vllm
+
+    from vllm_ddtree import SUPPORTED_VLLM_VERSION, patches
+
+    patches.check_vllm_version()  # the installed vLLM is the supported one
+    monkeypatch.setattr(vllm, "__version__", "0.99.1")
+    with pytest.raises(patches.UnsupportedVLLMVersion) as e:
+        patches.check_vllm_version()
+    assert "0.99.1" in str(e.value) and SUPPORTED_VLLM_VERSION in str(e.value)
+    with pytest.raises(patches.UnsupportedVLLMVersion):
+        patches.apply_patches()
+
+
+def test_patches_are_idempotent_and_registered():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_ddtree import patches, plugin
+
+    plugin.register()
+    assert patches.apply_patches() == 0  # second application changes nothing
+    for fn in (EngineArgs.create_speculative_config, GPUModelRunner._sample,
+               GPUModelRunner._model_forward, GPUModelRunner._prepare_inputs):
+        assert getattr(fn, "__vllm_ddtree_patch__", False)
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == plugin.CPU_BACKEND
+
+
+def test_engine_args_translate_and_carry(qwen3_target, dflash_drafter):
+    """Through vLLM's own EngineArgs: method 'ddtree' passes validation and lands in
+    additional_config (the channel that reaches every engine/worker process)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(qwen3_target), dtype="float32", max_model_len=512, enforce_eager=True,
+        speculative_config={"method": "ddtree", "model": str(dflash_drafter), "ddtree_budget": 40},
+    )
+    cfg = args.create_engine_config()
+    assert cfg.speculative_config.method == "dflash"
+    assert cfg.speculative_config.num_speculative_tokens == 40
+    carried = ddtree_config_from(cfg.additional_config)
+    assert carried.budget == 40 and carried.drafter_horizon == 15
+    assert cfg.scheduler_config.async_scheduling is False
+
+
+def test_engine_args_bad_config_errors_before_start(qwen3_target, dflash_drafter):
+    from vllm.engine.arg_utils import EngineArgs
+
+    for extra, match in (({"ddtree_budget": 0}, "ddtree_budget"),
+                         ({"ddtree_typo": 1}, "ddtree_typo")):
+        args = EngineArgs(
+            model=str(qwen3_target), dtype="float32", max_model_len=512,
+            speculative_config={"method": "ddtree", "model": str(dflash_drafter), **extra},
+        )
+        with pytest.raises(DDTreeConfigError, match=match):
+            args.create_engine_config()
+    args = EngineArgs(
+        model=str(qwen3_target), dtype="float32", max_model_len=512, async_scheduling=True,
+        speculative_config={"method": "ddtree", "model": str(dflash_drafter)},
+    )
+    with pytest.raises(DDTreeConfigError, match="async_scheduling"):
+        args.create_engine_config()
+
+
+def test_hybrid_target_is_refused_at_startup(qwen3_next_target, dflash_drafter):
+    """The hybrid guard: a recurrent layer must never run a tree it cannot run exactly."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(qwen3_next_target), dtype="bfloat16", max_model_len=512,
+        enable_prefix_caching=False,
+        speculative_config={"method": "ddtree", "model": str(dflash_drafter)},
+    )
+    with pytest.raises(DDTreeConfigError, match="hybrid"):
+        args.create_engine_config()
