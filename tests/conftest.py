@@ -1,0 +1,67 @@
+"""Shared pytest setup: CPU vLLM environment defaults and tiny random-weight model fixtures.
+
+The environment defaults are applied at import time, before any test module imports vLLM:
+``VLLM_CPU_KVCACHE_SPACE=1`` (GiB; the default does not fit this machine's NUMA node),
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine in-process: ~5 s instead of ~25 s per ``LLM``),
+``TOKENIZERS_PARALLELISM=false`` and offline / no-telemetry switches. Existing values win.
+
+Models are built lazily, once per session, into a temporary directory, or into
+``$VLLM_DDTREE_MODEL_CACHE`` when set (reused across sessions; the cache key includes the builder
+arguments and ``FORMAT_VERSION``, so stale models are never reused).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from vllm_ddtree.testing.models import TinyModelZoo, apply_cpu_test_env
+
+apply_cpu_test_env()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> TinyModelZoo:
+    """Lazy zoo of tiny models: ``tiny_models.get("qwen3_target")`` (or ``tiny_models["..."]``)
+    builds on first use and returns the model directory. See ``vllm_ddtree.testing.models``."""
+    cache = os.environ.get("VLLM_DDTREE_MODEL_CACHE")
+    root = Path(cache) if cache else tmp_path_factory.mktemp("tiny-models")
+    return TinyModelZoo(root)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_models) -> Path:
+    """Directory of the shared 2048-token byte-level BPE tokenizer."""
+    return tiny_models.get("tokenizer")
+
+
+@pytest.fixture(scope="session")
+def qwen3_target(tiny_models) -> Path:
+    """Random-weight Qwen3ForCausalLM, 4 layers, hidden 128, fp32."""
+    return tiny_models.get("qwen3_target")
+
+
+@pytest.fixture(scope="session")
+def dflash_drafter(tiny_models) -> Path:
+    """Random-weight DFlash drafter (block_size 16, 1 layer, target layers [0, 2]) for ``qwen3_target``."""
+    return tiny_models.get("dflash_drafter")
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_target(tiny_models) -> Path:
+    """Random-weight Qwen3NextForCausalLM (3 GDN + 1 full-attention layers, MoE), bf16."""
+    return tiny_models.get("qwen3_next_target")
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_dflash_drafter(tiny_models) -> Path:
+    """Random-weight DFlash drafter (block_size 16, 1 layer, target layers [0, 2]) for ``qwen3_next_target``, bf16."""
+    return tiny_models.get("qwen3_next_dflash_drafter")
+
+
+@pytest.fixture(scope="session")
+def granite_hybrid_target(tiny_models) -> Path:
+    """Random-weight GraniteMoeHybridForCausalLM (3 Mamba2 + 1 attention layers), fp32."""
+    return tiny_models.get("granite_hybrid_target")
