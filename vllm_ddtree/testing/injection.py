@@ -32,6 +32,8 @@ class ReferenceDraftInjector:
             distribution at that depth (0 = most probable). ``output_index`` is the index in the
             output of the token at that depth, so patterns can vary along the generation.
         num_decoys: how many decoy tokens get probability mass (ranks above/below the target's).
+        rank_gap: logit gap between consecutive ranks; a large gap makes the top-1 spine
+            dominate the tree (the B most probable prefixes are then the spine first).
 
     Calls record ``(req_id, bonus_output_index)`` in :attr:`calls` for assertions.
     """
@@ -41,10 +43,12 @@ class ReferenceDraftInjector:
         references: Mapping[tuple[int, ...], Sequence[int]],
         rank_of_depth: Callable[[int, int], int] = lambda depth, index: 0,
         num_decoys: int = 3,
+        rank_gap: float = 1.5,
     ) -> None:
         self.references = {tuple(k): list(v) for k, v in references.items()}
         self.rank_of_depth = rank_of_depth
         self.num_decoys = num_decoys
+        self.rank_gap = rank_gap
         self.calls: list[tuple[str, int]] = []
 
     def __call__(
@@ -87,7 +91,7 @@ class ReferenceDraftInjector:
         order = decoys[:rank] + [token] + decoys[rank:]
         logits = torch.full((V,), -12.0)
         for r, t in enumerate(order):
-            logits[t] = 6.0 - 1.5 * r
+            logits[t] = 6.0 - self.rank_gap * r
         return torch.log_softmax(logits, dim=-1)
 
 
