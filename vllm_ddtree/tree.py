@@ -1,0 +1,528 @@
+"""DDTree draft-tree construction and the verification walk (pure torch; no vLLM import).
+
+One DFlash drafter pass yields per-depth log-probabilities ``log_probs[L, V]`` for the ``L``
+positions below the root (the last committed / bonus token ``b``; depth ``d`` is row ``d - 1``).
+Because the drafter's distribution factorises over depths, a prefix ``u = (u_1..u_d)`` has
+probability ``q(u) = prod_i q_i(u_i)``, and the tree of ``B`` non-root nodes that maximises the
+expected acceptance length is the set of the ``B`` most probable prefixes (Ringel & Romano 2026,
+arXiv 2604.12989, §4, Prop. 2).  It is found by the best-first search of Algorithm 1 over the
+top-``K`` tokens of every depth, ``K = min(B, V)`` (Lemma 1).
+
+This module mirrors the reference implementation's ``build_ddtree_tree`` (construction,
+node order, tie-breaking) and ``follow_verified_tree`` (the walk).  Conventions:
+
+* Node 0 is the root ``b``; nodes ``1..n`` are the drafted tokens in heap-pop order, so every
+  parent index is smaller than its children's and path log-probabilities are non-increasing in
+  node order.
+* Inputs are **log-probabilities** (the caller passes ``torch.log_softmax(drafter_logits, -1)``,
+  untempered); raw logits are rejected when a row's maximum is positive.
+* Within one depth, tokens with equal log-probability are ranked by ascending token id, so trees
+  are reproducible.  Among equal path scores the heap pops the lexicographically smaller rank
+  tuple first (the reference's tuple comparison).  Which of several tokens tied exactly at the
+  ``K``-th place of a row enters the top-``K`` is left to ``torch.topk``.
+* ``-inf`` entries are zero-probability tokens and never become nodes, so a tree can be smaller
+  than its budget.
+* All :class:`DraftTree` tensors live on the CPU.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "DraftTree",
+    "build_draft_tree",
+    "build_draft_trees",
+    "chain_tree",
+    "follow_tree",
+    "follow_trees",
+    "validate_draft_tree",
+]
+
+# A rank-0 log-prob above this is taken as "the caller passed logits"; values in (0, tol] are
+# rounding noise of log_softmax in low precision and are clamped to 0.
+_POSITIVE_TOL = 1e-3
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True, eq=False)
+class DraftTree:
+    """A draft tree: the root (index 0) plus ``n`` drafted nodes (indices ``1..n``).
+
+    Attributes (all CPU tensors):
+        token_ids: ``[n]`` int64, token of node ``i`` at ``token_ids[i - 1]``.
+        parents: ``[n + 1]`` int64, ``parents[0] == -1``, ``parents[i] < i``.
+        depths: ``[n + 1]`` int64, root depth 0, ``depths[i] == depths[parents[i]] + 1``.
+        ancestor_mask: ``[n + 1, n + 1]`` bool, row ``i`` is true at ``j`` iff ``j`` is ``i`` or
+            an ancestor of ``i`` (the reference's ``visibility``; tree-attention mask).
+        path_log_probs: ``[n + 1]`` float32, log ``q`` of the path root->node (root 0.0).
+
+    ``child_maps`` (list of ``{token: child index}``, one dict per node) is built by
+    :func:`build_draft_tree` or computed on first use; treat it as read-only.  Instances compare by
+    identity (tensor fields make value equality ambiguous).
+    """
+
+    token_ids: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    ancestor_mask: torch.Tensor
+    path_log_probs: torch.Tensor
+    _child_maps: list[dict[int, int]] | None = field(default=None, repr=False)
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of non-root nodes ``n`` (the verify width is ``n + 1``)."""
+        return int(self.token_ids.shape[0])
+
+    @property
+    def max_depth(self) -> int:
+        """Largest node depth (0 for a root-only tree)."""
+        return int(self.depths.max().item()) if self.depths.numel() else 0
+
+    @property
+    def child_maps(self) -> list[dict[int, int]]:
+        """``[n + 1]`` dicts mapping a child's token id to its node index, per node."""
+        if self._child_maps is None:
+            maps: list[dict[int, int]] = [{} for _ in range(self.num_nodes + 1)]
+            for idx, (par, tok) in enumerate(
+                zip(self.parents.tolist()[1:], self.token_ids.tolist()), start=1
+            ):
+                maps[par][tok] = idx
+            # Frozen dataclass: cache through object.__setattr__.
+            object.__setattr__(self, "_child_maps", maps)
+        return self._child_maps  # type: ignore[return-value]
+
+
+def _ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Ancestor-or-self relation ``[n+1, n+1]`` bool from ``parents`` (``parents[0] == -1``).
+
+    Vectorised over nodes: one pass per depth level instead of one per node.
+    """
+    size = parents.shape[0]
+    mask = torch.zeros(size, size, dtype=torch.bool)
+    rows = torch.arange(size)
+    step = parents.clone()
+    step[0] = 0  # the root is its own "parent" so the pointer chase saturates there
+    cur = rows
+    for _ in range(max_depth + 1):
+        mask[rows, cur] = True
+        cur = step[cur]
+    return mask
+
+
+def _make_tree(
+    tokens: list[int],
+    parents: list[int],
+    depths: list[int],
+    scores: list[float],
+    child_maps: list[dict[int, int]] | None,
+) -> DraftTree:
+    parents_t = torch.tensor(parents, dtype=torch.long)
+    max_depth = max(depths)
+    return DraftTree(
+        token_ids=torch.tensor(tokens, dtype=torch.long),
+        parents=parents_t,
+        depths=torch.tensor(depths, dtype=torch.long),
+        ancestor_mask=_ancestor_mask(parents_t, max_depth),
+        path_log_probs=torch.tensor(scores, dtype=torch.float32),
+        _child_maps=child_maps,
+    )
+
+
+def _root_only() -> DraftTree:
+    return _make_tree([], [-1], [0], [0.0], [{}])
+
+
+def _check_budget(budget: object, max_children: object) -> tuple[int, int | None]:
+    if isinstance(budget, bool):
+        raise ValueError(f"budget must be a non-negative int, got {budget!r}")
+    try:
+        b = operator.index(budget)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"budget must be a non-negative int, got {budget!r}") from None
+    if b < 0:
+        raise ValueError(f"budget must be a non-negative int, got {b}")
+    if max_children is None:
+        return b, None
+    if isinstance(max_children, bool):
+        raise ValueError(f"max_children must be None or an int >= 1, got {max_children!r}")
+    try:
+        c = operator.index(max_children)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(
+            f"max_children must be None or an int >= 1, got {max_children!r}"
+        ) from None
+    if c < 1:
+        raise ValueError(f"max_children must be None or an int >= 1, got {c}")
+    return b, c
+
+
+def _best_first(lp: list[list[float]], ids: list[list[float]], budget: int) -> DraftTree:
+    """Algorithm 1 on one request's sorted top-K rows (host lists, ``lp`` values <= 0).
+
+    Heap entries are ``(-score, rank tuple, parent, depth, rank, score)``; the rank tuple is
+    unique per prefix, so the remaining fields never take part in comparisons.
+    """
+    depth_l = len(lp)
+    k = len(lp[0])
+    tokens: list[int] = []
+    parents = [-1]
+    depths = [0]
+    scores = [0.0]
+    child_maps: list[dict[int, int]] = [{}]
+    heap: list[tuple] = []
+    first = lp[0][0]
+    if first != _NEG_INF:
+        heap.append((-first, (0,), 0, 1, 0, 0.0 + first))
+    push, pop = heapq.heappush, heapq.heappop
+    while heap and len(tokens) < budget:
+        _, ranks, par, dep, rank, score = pop(heap)
+        idx = len(tokens) + 1
+        tok = int(ids[dep - 1][rank])
+        tokens.append(tok)
+        parents.append(par)
+        depths.append(dep)
+        scores.append(score)
+        child_maps[par][tok] = idx
+        child_maps.append({})
+        # Next sibling: same parent, next rank.  Scores are always parent score + row value (not
+        # the reference's score - lp[r] + lp[r+1]) so equal paths give bit-equal sums.
+        if rank + 1 < k:
+            val = lp[dep - 1][rank + 1]
+            if val != _NEG_INF:  # sorted row: everything after is -inf too
+                s = scores[par] + val
+                push(heap, (-s, ranks[:-1] + (rank + 1,), par, dep, rank + 1, s))
+        # First child: rank-0 token one depth down.
+        if dep < depth_l:
+            val = lp[dep][0]
+            if val != _NEG_INF:
+                s = score + val
+                push(heap, (-s, ranks + (0,), idx, dep + 1, 0, s))
+    return _make_tree(tokens, parents, depths, scores, child_maps)
+
+
+def _build_batch(
+    log_probs: torch.Tensor, budget: object, max_children: object, batched: bool
+) -> list[DraftTree]:
+    """Shared body of the single and batched builders; ``log_probs`` is ``[R, L, V]``."""
+    name = "log_probs"
+    b, c = _check_budget(budget, max_children)
+    num_req, depth_l, vocab = log_probs.shape
+    if b == 0 or num_req == 0:
+        return [_root_only() for _ in range(num_req)]
+    if depth_l == 0 or vocab == 0:
+        raise ValueError(
+            f"{name} must have L >= 1 depths and V >= 1 tokens when budget > 0, "
+            f"got shape {tuple(log_probs.shape)}"
+        )
+    k = min(b, vocab) if c is None else min(b, vocab, c)
+    with torch.no_grad():
+        vals, ids = torch.topk(log_probs, k, dim=-1, largest=True, sorted=True)
+        # Rank equal values by ascending token id: sort by id, then stable sort by value.
+        ids, perm = torch.sort(ids, dim=-1)
+        vals = torch.gather(vals, -1, perm)
+        vals, perm = torch.sort(vals, dim=-1, descending=True, stable=True)
+        ids = torch.gather(ids, -1, perm)
+        # One device->host copy: token ids (< 2**53) and fp32/bf16 values are exact in float64.
+        host = torch.stack((vals.to(torch.float64), ids.to(torch.float64))).tolist()
+    host_vals, host_ids = host
+    trees = []
+    for r in range(num_req):
+        lp = host_vals[r]
+        where = f"{name}[{r}]" if batched else name
+        for d in range(depth_l):
+            # topk ranks NaN and +inf first, so the rank-0 entry exposes them.
+            top = lp[d][0]
+            if math.isnan(top):
+                raise ValueError(f"{where} contains NaN (depth {d + 1})")
+            if top == math.inf:
+                raise ValueError(f"{where} contains +inf (depth {d + 1})")
+            if top > 0.0:
+                if top > _POSITIVE_TOL:
+                    raise ValueError(
+                        f"{where} must be log-probabilities (<= 0), got {top} at depth {d + 1}; "
+                        "pass log_softmax(logits)"
+                    )
+                lp[d] = [min(v, 0.0) for v in lp[d]]
+        trees.append(_best_first(lp, host_ids[r], b))
+    return trees
+
+
+def _check_log_probs(log_probs: object, ndim: int, shape_doc: str) -> torch.Tensor:
+    if not isinstance(log_probs, torch.Tensor):
+        raise ValueError(f"log_probs must be a torch.Tensor {shape_doc}, got {type(log_probs)}")
+    if log_probs.dim() != ndim:
+        raise ValueError(
+            f"log_probs must be {ndim}-D {shape_doc}, got shape {tuple(log_probs.shape)}"
+        )
+    if not log_probs.is_floating_point():
+        raise ValueError(f"log_probs must be a floating tensor, got {log_probs.dtype}")
+    return log_probs
+
+
+def build_draft_tree(
+    log_probs: torch.Tensor, budget: int, max_children: int | None = None
+) -> DraftTree:
+    """Build the DDTree draft tree of the ``budget`` most probable prefixes.
+
+    Paper §4 Algorithm 1 (best-first search, optimal by Prop. 2 and Lemma 1); node order,
+    tie-breaking and outputs follow the reference ``build_ddtree_tree``.
+
+    Args:
+        log_probs: ``[L, V]`` floating tensor (any device, any float dtype) of per-depth
+            **log-probabilities** from one drafter pass, depth ``d`` in row ``d - 1``; pass
+            ``torch.log_softmax(drafter_logits, -1)``.  ``-inf`` marks zero-probability tokens,
+            which never become nodes.
+        budget: number of non-root nodes ``B >= 0``; 0 gives the root alone (values are then not
+            inspected).  If fewer finite-probability prefixes exist the tree is smaller.
+        max_children: optional cap ``>= 1`` on the children of any node (top-``max_children``
+            tokens per depth); the tree is then the best ``B`` prefixes over that restricted set.
+
+    Returns:
+        A :class:`DraftTree` with ``min(B, #candidates)`` non-root nodes, on the CPU.
+
+    Raises:
+        ValueError: ``log_probs`` is not a 2-D floating tensor, has ``L == 0`` or ``V == 0``
+            with ``budget > 0``, contains NaN or ``+inf``, or has a positive row maximum
+            (logits rather than log-probabilities); ``budget`` is negative or not an int;
+            ``max_children`` is not ``None`` or an int ``>= 1``.
+    """
+    lp = _check_log_probs(log_probs, 2, "[L, V]")
+    return _build_batch(lp.unsqueeze(0), budget, max_children, batched=False)[0]
+
+
+def build_draft_trees(
+    log_probs: torch.Tensor, budget: int, max_children: int | None = None
+) -> list[DraftTree]:
+    """Batched :func:`build_draft_tree`: one tree per request from ``log_probs [R, L, V]``.
+
+    One ``topk`` over the whole batch and one device->host copy; the heaps then run per request
+    on the host.  Same arguments, semantics and ``ValueError`` cases as :func:`build_draft_tree`
+    (messages name ``log_probs[r]`` for per-request value errors).  ``R == 0`` gives ``[]``.
+    """
+    lp = _check_log_probs(log_probs, 3, "[R, L, V]")
+    return _build_batch(lp, budget, max_children, batched=True)
+
+
+def chain_tree(
+    token_ids: Sequence[int] | torch.Tensor, token_log_probs: Sequence[float] | None = None
+) -> DraftTree:
+    """A chain tree: node ``i`` (token ``token_ids[i-1]``) is the child of node ``i - 1``.
+
+    Used for linear DFlash comparisons and tests.  ``token_log_probs`` (same length, optional)
+    gives each node's own log-prob; ``path_log_probs`` are their running sums (all 0.0 if
+    omitted).
+
+    Raises:
+        ValueError: ``token_ids`` is not 1-D, or ``token_log_probs`` has a different length.
+    """
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 1:
+            raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+        toks = [int(t) for t in token_ids.tolist()]
+    else:
+        toks = [int(t) for t in token_ids]
+    n = len(toks)
+    if token_log_probs is None:
+        per = [0.0] * n
+    else:
+        per = [float(v) for v in token_log_probs]
+        if len(per) != n:
+            raise ValueError(
+                f"token_log_probs must have len(token_ids) = {n} entries, got {len(per)}"
+            )
+    scores = [0.0]
+    for v in per:
+        scores.append(scores[-1] + v)
+    child_maps = [{toks[i]: i + 1} for i in range(n)] + [{}]
+    return _make_tree(toks, list(range(-1, n)), list(range(n + 1)), scores, child_maps)
+
+
+def _as_int_list(choices: object, name: str) -> list[int]:
+    if isinstance(choices, torch.Tensor):
+        if choices.is_floating_point() or choices.is_complex():
+            raise ValueError(f"{name} must hold integer token ids, got {choices.dtype}")
+        return choices.tolist()
+    return [int(t) for t in choices]  # type: ignore[union-attr]
+
+
+def _walk(maps: list[dict[int, int]], choices: Sequence[int]) -> tuple[list[int], int]:
+    cur = 0
+    nxt = int(choices[0])
+    accepted = [0]
+    while True:
+        child = maps[cur].get(nxt)
+        if child is None:
+            return accepted, nxt
+        accepted.append(child)
+        cur = child
+        nxt = int(choices[child])
+
+
+def follow_tree(
+    tree: DraftTree, target_token_ids: Sequence[int] | torch.Tensor
+) -> tuple[list[int], int]:
+    """Walk the verified tree (reference ``follow_verified_tree``; spec §3.4).
+
+    Args:
+        tree: the drafted tree.
+        target_token_ids: ``[n + 1]`` integer tensor or sequence: the target's choice (argmax or
+            sample) at every node, in node order.
+
+    Returns:
+        ``(accepted, next_token)``: ``accepted`` are node indices starting with 0, each the child
+        of the previous whose token equals the target's choice there; ``next_token`` is the
+        target's choice at the last accepted node (the bonus token of the next round).  The
+        round commits ``len(accepted)`` tokens (root plus ``len(accepted) - 1`` drafts).
+
+    Raises:
+        ValueError: ``target_token_ids`` is a float tensor, not 1-D, or not of length ``n + 1``.
+    """
+    if isinstance(target_token_ids, torch.Tensor) and target_token_ids.dim() != 1:
+        raise ValueError(
+            f"target_token_ids must be 1-D [n + 1], got shape {tuple(target_token_ids.shape)}"
+        )
+    choices = _as_int_list(target_token_ids, "target_token_ids")
+    if len(choices) != tree.num_nodes + 1:
+        raise ValueError(
+            f"target_token_ids must have n + 1 = {tree.num_nodes + 1} entries, got {len(choices)}"
+        )
+    return _walk(tree.child_maps, choices)
+
+
+def follow_trees(
+    trees: Sequence[DraftTree],
+    target_token_ids_list: Sequence[Sequence[int] | torch.Tensor] | torch.Tensor,
+) -> list[tuple[list[int], int]]:
+    """Batched :func:`follow_tree`.
+
+    ``target_token_ids_list`` is one of:
+
+    * a sequence with one ``[n_r + 1]`` tensor/sequence per tree;
+    * a 1-D integer tensor of all trees' choices concatenated (length ``sum(n_r + 1)``), the
+      layout of a flattened verify batch;
+    * a 2-D integer tensor ``[R, W]`` with ``W >= max(n_r + 1)``, row ``r`` padded after
+      ``n_r + 1`` entries.
+
+    Tensors are copied to the host once.  Returns ``[(accepted, next_token)]`` per tree.
+
+    Raises:
+        ValueError: the number of rows or entries does not match ``trees``, or a tensor is not
+            integer.
+    """
+    sizes = [t.num_nodes + 1 for t in trees]
+    name = "target_token_ids_list"
+    per_tree: list[Sequence[int]]
+    if isinstance(target_token_ids_list, torch.Tensor):
+        flat = target_token_ids_list
+        host = _as_int_list(flat, name)
+        if flat.dim() == 1:
+            if len(host) != sum(sizes):
+                raise ValueError(
+                    f"{name} (1-D, concatenated) must have sum(n + 1) = {sum(sizes)} entries, "
+                    f"got {len(host)}"
+                )
+            per_tree, start = [], 0
+            for s in sizes:
+                per_tree.append(host[start : start + s])
+                start += s
+        elif flat.dim() == 2:
+            if flat.shape[0] != len(trees) or (sizes and flat.shape[1] < max(sizes)):
+                raise ValueError(
+                    f"{name} (2-D, padded) must be [{len(trees)}, >= {max(sizes, default=0)}], "
+                    f"got {tuple(flat.shape)}"
+                )
+            per_tree = [row[:s] for row, s in zip(host, sizes)]
+        else:
+            raise ValueError(f"{name} tensor must be 1-D or 2-D, got {flat.dim()}-D")
+    else:
+        if len(target_token_ids_list) != len(trees):
+            raise ValueError(
+                f"{name} must have one entry per tree ({len(trees)}), "
+                f"got {len(target_token_ids_list)}"
+            )
+        return [follow_tree(t, c) for t, c in zip(trees, target_token_ids_list)]
+    return [_walk(t.child_maps, c) for t, c in zip(trees, per_tree)]
+
+
+def validate_draft_tree(tree: DraftTree, max_depth: int | None = None) -> None:
+    """Check every structural invariant of a :class:`DraftTree`.
+
+    Rules (the ``ValueError`` message names the one broken): tensor dtypes (int64 ids, parents,
+    depths; bool mask; float32 path log-probs); consistent shapes ``[n]``, ``[n+1]``,
+    ``[n+1, n+1]``; non-negative token ids; ``parents[0] == -1`` and ``depths[0] == 0``;
+    parents before children (``0 <= parents[i] < i``), which also makes the node set
+    prefix-closed; ``depths[i] == depths[parents[i]] + 1``; ``depth <= max_depth`` when given;
+    distinct tokens among siblings; ``ancestor_mask`` equal to the ancestor-or-self relation.
+
+    Raises:
+        ValueError: on the first rule broken.
+    """
+    expected = {
+        "token_ids": torch.long,
+        "parents": torch.long,
+        "depths": torch.long,
+        "ancestor_mask": torch.bool,
+        "path_log_probs": torch.float32,
+    }
+    for attr, dtype in expected.items():
+        val = getattr(tree, attr)
+        if not isinstance(val, torch.Tensor):
+            raise ValueError(f"dtype: {attr} must be a torch.Tensor, got {type(val)}")
+        if val.dtype != dtype:
+            raise ValueError(f"dtype: {attr} must be {dtype}, got {val.dtype}")
+    if tree.token_ids.dim() != 1:
+        raise ValueError(f"shape: token_ids must be 1-D [n], got {tuple(tree.token_ids.shape)}")
+    n = tree.token_ids.shape[0]
+    for attr in ("parents", "depths", "path_log_probs"):
+        if tuple(getattr(tree, attr).shape) != (n + 1,):
+            raise ValueError(
+                f"shape: {attr} must be [n + 1] = [{n + 1}], "
+                f"got {tuple(getattr(tree, attr).shape)}"
+            )
+    if tuple(tree.ancestor_mask.shape) != (n + 1, n + 1):
+        raise ValueError(
+            f"shape: ancestor_mask must be [n + 1, n + 1] = [{n + 1}, {n + 1}], "
+            f"got {tuple(tree.ancestor_mask.shape)}"
+        )
+    toks = tree.token_ids.tolist()
+    pars = tree.parents.tolist()
+    deps = tree.depths.tolist()
+    if any(t < 0 for t in toks):
+        raise ValueError("token ids: token_ids must be non-negative")
+    if pars[0] != -1:
+        raise ValueError(f"root: parents[0] must be -1, got {pars[0]}")
+    if deps[0] != 0:
+        raise ValueError(f"root: depths[0] must be 0, got {deps[0]}")
+    seen: set[tuple[int, int]] = set()
+    for i in range(1, n + 1):
+        p = pars[i]
+        if not 0 <= p < i:
+            raise ValueError(
+                f"parents before children: parents[{i}] = {p} must satisfy 0 <= parent < {i}"
+            )
+        if deps[i] != deps[p] + 1:
+            raise ValueError(
+                f"depth: depths[{i}] = {deps[i]} must equal depths[parent {p}] + 1 = {deps[p] + 1}"
+            )
+        if max_depth is not None and deps[i] > max_depth:
+            raise ValueError(f"max depth: depths[{i}] = {deps[i]} exceeds max_depth {max_depth}")
+        key = (p, toks[i - 1])
+        if key in seen:
+            raise ValueError(
+                f"distinct sibling tokens: token {toks[i - 1]} appears twice under node {p}"
+            )
+        seen.add(key)
+    want = _ancestor_mask(tree.parents.cpu(), max(deps))
+    if not torch.equal(tree.ancestor_mask.cpu(), want):
+        bad = (tree.ancestor_mask.cpu() != want).nonzero()[0].tolist()
+        raise ValueError(
+            f"ancestor mask: ancestor_mask must be the ancestor-or-self relation "
+            f"(first mismatch at row {bad[0]}, column {bad[1]})"
+        )
