@@ -162,3 +162,44 @@ def test_hybrid_target_is_refused_at_startup(qwen3_next_target, dflash_drafter):
     )
     with pytest.raises(DDTreeConfigError, match="hybrid"):
         args.create_engine_config()
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        ({"temperature": 0.7}, "temperature"),
+        ({"temperature": 0, "presence_penalty": 0.5}, "presence_penalty"),
+        ({"temperature": 0, "repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"temperature": 0, "logit_bias": {3: 1.0}}, "logit_bias"),
+        ({"temperature": 0, "min_tokens": 4}, "min_tokens"),
+        ({"temperature": 0, "logprobs": 2}, "logprobs"),
+        ({"temperature": 0, "bad_words": ["x"]}, "bad_words"),
+    ],
+)
+def test_unsupported_sampling_is_refused(kw, name):
+    from vllm import SamplingParams
+
+    from vllm_ddtree.verify import DDTreeRequestError, validate_sampling_params
+
+    validate_sampling_params(SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                            stop_token_ids=[5]))
+    with pytest.raises(DDTreeRequestError, match=name) as e:
+        validate_sampling_params(SamplingParams(max_tokens=8, **kw))
+    assert isinstance(e.value, ValueError)
+
+
+def test_llm_refuses_unsupported_request(qwen3_target, dflash_drafter):
+    from vllm import SamplingParams
+
+    from vllm_ddtree.testing.models import make_llm, release_llm
+
+    llm = make_llm(qwen3_target, speculative_config={
+        "method": "ddtree", "model": str(dflash_drafter), "ddtree_budget": 4})
+    try:
+        with pytest.raises(ValueError, match="temperature"):
+            llm.generate(["x"], SamplingParams(temperature=1.0, max_tokens=4))
+        # the engine is still healthy after the refusal
+        out = llm.generate(["x"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        release_llm(llm)

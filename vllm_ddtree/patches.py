@@ -39,7 +39,8 @@ from vllm_ddtree.config import (
     translate_speculative_config,
 )
 
-logger = logging.getLogger("vllm_ddtree")
+# A child of vLLM's logger, so our messages use vLLM's handlers and VLLM_LOGGING_LEVEL.
+logger = logging.getLogger("vllm.ddtree")
 
 _MARK = "__vllm_ddtree_patch__"
 _REGISTRY: list[tuple[str, str, Callable[[Callable], Callable]]] = []

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger("vllm_ddtree")
+# A child of vLLM's logger, so our messages use vLLM's handlers and VLLM_LOGGING_LEVEL.
+logger = logging.getLogger("vllm.ddtree")
 
 _registered = False
 

@@ -12,6 +12,8 @@ next step's verification (:mod:`vllm_ddtree.step`).
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any, Callable
 
 import torch
@@ -20,6 +22,8 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.tree import DraftTree, build_draft_trees
+
+logger = logging.getLogger("vllm.ddtree")
 
 #: Test-only hook (see :mod:`vllm_ddtree.testing.injection`): called as
 #: ``hook(proposer, req_ids, next_token_ids, log_probs) -> log_probs`` with ``log_probs``
@@ -82,6 +86,10 @@ class DDTreeProposer(DFlashProposer):
                 f"{n_prefixes} draft prefixes of depth <= L={ddtree.drafter_horizon} exist "
                 f"(vocab {vocab}, ddtree_max_children={ddtree.max_children})"
             )
+        logger.info(
+            "DDTree proposer ready in pid %d: node budget B=%d, drafter horizon L=%d",
+            os.getpid(), ddtree.budget, ddtree.drafter_horizon,
+        )
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any):
         """Keep the drafter logits ``[R * L, V]``; return DFlash's per-position argmax."""

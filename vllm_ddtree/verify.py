@@ -23,6 +23,15 @@ from vllm_ddtree.tree import follow_tree
 
 PLACEHOLDER_TOKEN_ID = -1
 
+try:  # vLLM maps its validation errors to HTTP 400 in the OpenAI server
+    from vllm.exceptions import VLLMValidationError as _ClientError
+except ImportError:  # pragma: no cover - vLLM is always present at run time
+    _ClientError = ValueError  # type: ignore[misc,assignment]
+
+
+class DDTreeRequestError(_ClientError, ValueError):  # type: ignore[misc,valid-type]
+    """A request option DDTree cannot honour exactly (a ``ValueError``; HTTP 400 in the server)."""
+
 #: Test-only observer (``vllm_ddtree.testing.injection``): called after every verified step as
 #: ``observer(step, logits, num_draft_tokens)``. In-process engines only.
 _VERIFY_OBSERVER: Callable[..., None] | None = None
@@ -106,19 +115,25 @@ def validate_sampling_params(params: Any) -> None:
         params: a ``vllm.SamplingParams``.
 
     Raises:
-        ValueError: ``temperature > 0`` (lossless sampling arrives with the T>0 work), or any
-            option in ``_UNSUPPORTED_SAMPLING`` set; the message names the option.
+        DDTreeRequestError: ``temperature > 0`` (lossless sampling arrives with the T>0 work),
+            or any option in ``_UNSUPPORTED_SAMPLING`` set; the message names the option.
     """
     temperature = getattr(params, "temperature", 0.0)
     if temperature is not None and temperature > 0:
-        raise ValueError(
+        raise DDTreeRequestError(
             f"speculative method 'ddtree' supports greedy decoding only for now "
-            f"(SamplingParams.temperature={temperature}); use temperature=0"
+            f"(SamplingParams.temperature={temperature}); use temperature=0",
+            **_where("temperature", temperature),
         )
     for name, unused in _UNSUPPORTED_SAMPLING.items():
         value = getattr(params, name, unused)
         if value is None or value == unused or value in ([], {}):
             continue
-        raise ValueError(
-            f"speculative method 'ddtree' does not support SamplingParams.{name}={value!r} yet"
+        raise DDTreeRequestError(
+            f"speculative method 'ddtree' does not support SamplingParams.{name}={value!r} yet",
+            **_where(name, value),
         )
+
+
+def _where(parameter: str, value: Any) -> dict[str, Any]:
+    return {} if _ClientError is ValueError else {"parameter": parameter, "value": value}
