@@ -210,8 +210,6 @@ def test_qwen3_target_logit_gap(qwen3_reference):
 
 
 def test_vllm_dflash_with_tiny_drafter_is_lossless(qwen3_target, dflash_drafter, qwen3_reference):
-    # llvmlite (numba) in sys.modules broke a second LLM in a process before make_llm's workaround.
-    pytest.importorskip("llvmlite.binding")
     spec = {"method": "dflash", "model": str(dflash_drafter), "num_speculative_tokens": 15}
     llm = tm.make_llm(qwen3_target, speculative_config=spec)
     try:

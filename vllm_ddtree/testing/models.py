@@ -834,29 +834,7 @@ def make_llm(model: str | os.PathLike, **overrides: Any):
     apply_cpu_test_env()
     from vllm import LLM
 
-    _patch_kernel_rebind_scan()
     return LLM(**llm_kwargs(model, **overrides))
-
-
-def _safe_vars(value: Any) -> Any:
-    namespace = vars(value)
-    return namespace if hasattr(namespace, "get") else {}
-
-
-def _patch_kernel_rebind_scan() -> None:
-    """Work around a vLLM 0.32 CPU bug that breaks a second ``LLM`` in a process once llvmlite is
-    imported (e.g. by the ngram proposer's numba code).
-
-    At worker start, ``CpuPlatform.register_triton_kernel_overrides`` scans every module in
-    ``sys.modules`` and calls ``vars(obj).get("kernel")`` on module attributes;
-    ``llvmlite.binding.ffi.lib`` has a ``__dict__`` without ``.get``, so the scan raises
-    ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``. This makes the scan's
-    ``vars`` return ``{}`` for such objects (they hold no kernels). Idempotent.
-    """
-    from vllm.triton_utils import dispatcher
-
-    if getattr(dispatcher, "vars", None) is not _safe_vars:
-        dispatcher.vars = _safe_vars
 
 
 def top2_logprob_gaps(outputs) -> list[float]:
