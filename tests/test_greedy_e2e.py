@@ -179,6 +179,39 @@ def test_node_logits_equal_ancestor_chain(qwen3_target, dflash_drafter, referenc
     assert checked > 40
 
 
+def test_drafter_context_is_the_accepted_path(qwen3_target, dflash_drafter, reference):
+    """After an accepted path leaves the spine, the rows the next DFlash pass reads hold the
+    target's tapped hidden states of root + accepted path, in path order (equal to a chain run
+    of the same tokens in Hugging Face transformers)."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_ddtree.testing.models import read_config
+
+    llm = _ddtree(qwen3_target, dflash_drafter, 40)
+    injector = ReferenceDraftInjector(reference["refs"], _spine_with_sidesteps)
+    try:
+        with injected_drafts(injector), recorded_verification() as rec:
+            outs = llm.generate(PROMPTS[:4], _params()[:4])
+    finally:
+        release_llm(llm)
+    full = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs}
+    layer_ids = read_config(dflash_drafter)["dflash_config"]["target_layer_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(str(qwen3_target), dtype=torch.float32).eval()
+    off_spine = [r for r in rec.records
+                 if r["is_tree"] and any(a != j for j, a in enumerate(r["accepted"]))]
+    assert off_spine, "no accepted path off the spine"
+    for r in off_spine[:5]:
+        seq = full[r["req_id"].split("-")[0]]
+        n_ctx, k1 = r["context_len"], len(r["accepted"])
+        with torch.no_grad():
+            hs = hf(torch.tensor([seq[: n_ctx + k1]]), output_hidden_states=True).hidden_states
+        assert len(r["context_hidden"]) == len(layer_ids)
+        for got, layer in zip(r["context_hidden"], layer_ids):
+            # vLLM taps layer inputs at id + 1 = HF's hidden_states[id + 1] (residual stream).
+            want = hs[layer + 1][0, n_ctx : n_ctx + k1]
+            torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
 def test_skipping_kv_compaction_breaks_equality(qwen3_target, dflash_drafter, reference,
                                                 monkeypatch):
     """Power check: the equality test above would catch a missing KV compaction."""

@@ -323,11 +323,11 @@ def _sample(original: Callable) -> Callable:
             )
         by_batch = {r.batch_index: r for r in step.requests}
         sampled = verify_greedy(logits, spec_decode_metadata.num_draft_tokens, by_batch)
-        notify_observer(step, logits, spec_decode_metadata.num_draft_tokens)
         if step.attn_batch.recorded_kv:
             compact_kv(step.attn_batch, step.requests, step.slot_mappings)
         if step.aux_hidden_states is not None:
             gather_accepted_rows(step.aux_hidden_states, step.requests)
+        notify_observer(step, logits, spec_decode_metadata.num_draft_tokens)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
 
     return _sample

@@ -109,7 +109,9 @@ class VerificationRecorder:
     """Records every verified tree step: request ids, trees, accepted paths and node logits.
 
     ``records`` holds dicts with ``req_id``, ``context_len``, ``tree`` (DraftTree),
-    ``accepted`` (list[int]) and ``logits`` (``[n + 1, V]`` float32 CPU tensor, node order).
+    ``accepted`` (list[int]), ``logits`` (``[n + 1, V]`` float32 CPU tensor, node order) and
+    ``context_hidden``: per tapped layer, the ``[k + 1, H]`` hidden-state rows the next DFlash
+    pass reads for this request after the commit (root + accepted path, path order).
     """
 
     def __init__(self) -> None:
@@ -119,8 +121,10 @@ class VerificationRecorder:
         starts = [0]
         for n in num_draft_tokens:
             starts.append(starts[-1] + int(n) + 1)
+        aux = step.aux_hidden_states or []
         for r in step.requests:
             lo = starts[r.batch_index]
+            k1 = len(r.accepted)
             self.records.append(
                 dict(
                     req_id=r.req_id,
@@ -129,6 +133,9 @@ class VerificationRecorder:
                     is_tree=r.is_tree,
                     accepted=list(r.accepted),
                     logits=logits[lo : lo + r.num_rows].float().cpu().clone(),
+                    context_hidden=[
+                        h[r.root_row : r.root_row + k1].float().cpu().clone() for h in aux
+                    ],
                 )
             )
 
