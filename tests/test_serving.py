@@ -38,6 +38,7 @@ def test_multiprocess_engine(qwen3_target, dflash_drafter):
     assert "greedy DDTree output identical to target-only: True" in out
     ready = [line for line in out.splitlines() if "DDTree proposer ready in pid" in line]
     assert ready, "the DDTree proposer never started"
+    assert all("node budget B=40" in line for line in ready), "settings did not reach the worker"
     pids = {int(line.split("in pid ")[1].split(":")[0]) for line in ready}
     front = int(out.split("front-end pid ")[1].split()[0])
     assert front not in pids, "the proposer ran in the front-end process, not a spawned one"
