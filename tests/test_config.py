@@ -167,12 +167,12 @@ def test_hybrid_target_is_refused_at_startup(qwen3_next_target, dflash_drafter):
 @pytest.mark.parametrize(
     "kw, name",
     [
-        ({"temperature": 0.7}, "temperature"),
+        ({"temperature": 0.7, "min_p": 0.1}, "min_p"),
         ({"temperature": 0, "presence_penalty": 0.5}, "presence_penalty"),
         ({"temperature": 0, "repetition_penalty": 1.2}, "repetition_penalty"),
         ({"temperature": 0, "logit_bias": {3: 1.0}}, "logit_bias"),
         ({"temperature": 0, "min_tokens": 4}, "min_tokens"),
-        ({"temperature": 0, "logprobs": 2}, "logprobs"),
+        ({"temperature": 0, "prompt_logprobs": 2}, "prompt_logprobs"),
         ({"temperature": 0, "bad_words": ["x"]}, "bad_words"),
     ],
 )
@@ -196,8 +196,9 @@ def test_llm_refuses_unsupported_request(qwen3_target, dflash_drafter):
     llm = make_llm(qwen3_target, speculative_config={
         "method": "ddtree", "model": str(dflash_drafter), "ddtree_budget": 4})
     try:
-        with pytest.raises(ValueError, match="temperature"):
-            llm.generate(["x"], SamplingParams(temperature=1.0, max_tokens=4))
+        with pytest.raises(ValueError, match="presence_penalty"):
+            llm.generate(["x"], SamplingParams(temperature=1.0, presence_penalty=0.5,
+                                               max_tokens=4))
         # the engine is still healthy after the refusal
         out = llm.generate(["x"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 4

@@ -107,11 +107,11 @@ def test_openai_server_completions_equal_offline(qwen3_target, dflash_drafter, t
         req = urllib.request.Request(
             base + "/v1/completions",
             data=json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 4,
-                             "temperature": 0.8}).encode(),
+                             "temperature": 0.8, "frequency_penalty": 0.5}).encode(),
             headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=60)
-        assert e.value.code == 400 and b"temperature" in e.value.read()
+        assert e.value.code == 400 and b"frequency_penalty" in e.value.read()
     finally:
         server.terminate()
         try:

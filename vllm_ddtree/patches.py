@@ -187,6 +187,12 @@ def _create_speculative_config(original: Callable) -> Callable:
                 "(tree positions need the committed length of every request)"
             )
         self.async_scheduling = False
+        logprobs_mode = getattr(self, "logprobs_mode", "raw_logprobs")
+        if logprobs_mode not in ("raw_logprobs", "raw_logits"):
+            raise DDTreeConfigError(
+                f"logprobs_mode={logprobs_mode!r} is not supported with speculative method "
+                "'ddtree' (supported: 'raw_logprobs', 'raw_logits')"
+            )
         extra = dict(self.additional_config or {})
         if ADDITIONAL_CONFIG_KEY in extra and extra[ADDITIONAL_CONFIG_KEY] != ddtree.to_dict():
             raise DDTreeConfigError(
@@ -314,20 +320,18 @@ def _sample(original: Callable) -> Callable:
         from vllm.v1.outputs import SamplerOutput
 
         from vllm_ddtree.commit import compact_kv, gather_accepted_rows
-        from vllm_ddtree.verify import notify_observer, verify_greedy
+        from vllm_ddtree.verify import notify_observer, verify_tree_step
 
-        if not self.input_batch.sampling_metadata.all_greedy:
-            raise RuntimeError(
-                "DDTree verification got a non-greedy request; temperature > 0 must be "
-                "refused at the API (vllm_ddtree.verify.validate_sampling_params)"
-            )
         by_batch = {r.batch_index: r for r in step.requests}
-        sampled = verify_greedy(logits, spec_decode_metadata.num_draft_tokens, by_batch)
+        sampled, logprobs = verify_tree_step(
+            logits, spec_decode_metadata.num_draft_tokens, by_batch,
+            self.input_batch.sampling_metadata, self.sampler,
+        )
         if step.attn_batch.recorded_kv:
             compact_kv(step.attn_batch, step.requests, step.slot_mappings)
         if step.aux_hidden_states is not None:
             gather_accepted_rows(step.aux_hidden_states, step.requests)
         notify_observer(step, logits, spec_decode_metadata.num_draft_tokens)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
 
     return _sample

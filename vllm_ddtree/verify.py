@@ -2,9 +2,11 @@
 
 The target forward gives logits at every node of every tree (vLLM's spec-decode logits rows are
 ``[root, node_1 … node_n]`` per request, ``_calc_spec_decode_metadata`` in
-``vllm/v1/worker/gpu_model_runner.py``). Greedy DDTree takes the argmax at each node and walks
-from the root while the argmax is a child's token (paper §3.4, reference
-``follow_verified_tree``); the step emits the accepted path's tokens and then the target's choice
+``vllm/v1/worker/gpu_model_runner.py``). DDTree takes the target's own choice at each node — the
+argmax, or at T > 0 an independent sample from the node's processed distribution — and walks
+from the root while the choice is a child's token (paper §3.4, reference
+``follow_verified_tree``; no ``min(1, p/q)`` acceptance rule, which is biased on trees built from
+top-k marginals); the step emits the accepted path's tokens and then the target's choice
 at the last accepted node, the bonus token. The output has the shape of vLLM's rejection sampler
 (``[num_reqs, max_drafts + 1]`` int32, ``-1`` = ``PLACEHOLDER_TOKEN_ID`` padding) so the rest of
 vLLM's pipeline (stop checks, ``num_computed_tokens`` rollback, spec-decode counters) is unchanged:
@@ -49,12 +51,74 @@ def notify_observer(step: Any, logits: torch.Tensor, num_draft_tokens: Sequence[
         _VERIFY_OBSERVER(step, logits, num_draft_tokens)
 
 
-def verify_greedy(
+def sample_nodes(
+    logits: torch.Tensor,
+    counts: Sequence[int],
+    sampling_metadata: Any,
+    sampler: Any,
+) -> torch.Tensor:
+    """The target's own choice at every tree node: its argmax, or a sample at T > 0.
+
+    Every node row is processed exactly as vLLM's sampler processes a target-only decode row of
+    its request (``Sampler.sample`` in ``vllm/v1/sample/sampler.py``: temperature, top-k/top-p,
+    per-request seeded generators; greedy rows take ``Sampler.greedy_sample``). The per-request
+    parameters are expanded to the request's node rows, like vLLM's rejection sampler does for
+    chain drafts (``apply_sampling_constraints``). Each node gets fresh noise, so node samples are
+    independent draws from ``p(. | prefix + ancestors)``: walking with them is lossless (DDTree
+    paper §3.4, reference sample-and-walk). Options whose state is per batch row (penalties,
+    logit bias, min-p, …) are refused up front (:func:`validate_sampling_params`).
+
+    Args:
+        logits: ``[sum(counts), V]`` target logits, node rows request after request.
+        counts: ``n_r + 1`` rows per request, batch order.
+        sampling_metadata: the batch's ``vllm.v1.sample.metadata.SamplingMetadata``.
+        sampler: the runner's ``vllm.v1.sample.sampler.Sampler``.
+
+    Returns:
+        ``[sum(counts)]`` int64 token choices.
+    """
+    from dataclasses import replace
+
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+
+    x = logits.to(torch.float32, copy=True)  # the sampler works in place
+    if sampling_metadata.all_greedy:
+        return sampler.greedy_sample(x).long()
+    num_reqs = len(counts)
+    reps = torch.tensor(list(counts), device=logits.device)
+
+    def expand(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[:num_reqs].repeat_interleave(reps)
+
+    generators, row = {}, 0
+    for b, c in enumerate(counts):
+        g = sampling_metadata.generators.get(b)
+        if g is not None:
+            for r in range(row, row + c):  # one stream per request, drawn in node order
+                generators[r] = g
+        row += c
+    md = replace(
+        sampling_metadata,
+        temperature=expand(sampling_metadata.temperature),
+        top_k=expand(sampling_metadata.top_k),
+        top_p=expand(sampling_metadata.top_p),
+        generators=generators,
+        max_num_logprobs=None,
+        logprob_token_ids=None,
+        logitsprocs=LogitsProcessors(),
+    )
+    sampled, _ = sampler.sample(x, md)
+    return sampled.long()
+
+
+def verify_tree_step(
     logits: torch.Tensor,
     num_draft_tokens: Sequence[int],
     step_requests: dict[int, StepRequest],
-) -> torch.Tensor:
-    """Greedy tree verification for one step.
+    sampling_metadata: Any,
+    sampler: Any,
+) -> tuple[torch.Tensor, Any]:
+    """Tree verification for one step: node choices, the walk, the emitted tokens, logprobs.
 
     Args:
         logits: ``[sum(n_r + 1), V]`` target logits, request after request, node order inside
@@ -62,10 +126,16 @@ def verify_greedy(
         num_draft_tokens: ``n_r`` per request in batch order (0 for requests without drafts).
         step_requests: ``batch_index -> StepRequest`` for the requests that carry drafts; each
             gets its ``accepted`` path filled in.
+        sampling_metadata: the batch's ``SamplingMetadata``.
+        sampler: the runner's vLLM ``Sampler``.
 
     Returns:
-        ``[num_reqs, max(n_r) + 1]`` int32 on ``logits.device``: per request the accepted path's
-        tokens then the bonus token, ``-1`` padded.
+        ``(sampled, logprobs)``: ``sampled`` is ``[num_reqs, max(n_r) + 1]`` int32 on
+        ``logits.device``, per request the accepted path's tokens then the bonus token, ``-1``
+        padded (the layout of vLLM's rejection sampler). ``logprobs`` is ``None`` or vLLM's
+        ``LogprobsTensors`` for those ``num_reqs * (max(n_r) + 1)`` positions, row-major, each
+        computed from the logits of the node that emitted the token — the same prefix as in
+        target-only decoding (``RejectionSampler._get_logprobs_tensors`` mirrored).
 
     Raises:
         ValueError: ``logits`` rows do not match ``sum(n_r + 1)``.
@@ -73,23 +143,35 @@ def verify_greedy(
     counts = [int(n) + 1 for n in num_draft_tokens]
     if logits.shape[0] != sum(counts):
         raise ValueError(f"logits has {logits.shape[0]} rows, expected {sum(counts)}")
-    # vLLM's greedy sampler takes the argmax of float32 logits (vllm/v1/sample/sampler.py).
-    choices = logits.float().argmax(dim=-1).tolist()
-    out = torch.full((len(counts), max(counts)), PLACEHOLDER_TOKEN_ID, dtype=torch.int32)
+    choices = sample_nodes(logits, counts, sampling_metadata, sampler).tolist()
+    width = max(counts)
+    out = torch.full((len(counts), width), PLACEHOLDER_TOKEN_ID, dtype=torch.int32)
+    rows = torch.zeros((len(counts), width), dtype=torch.long)  # logits row of each output
     start = 0
     for b, c in enumerate(counts):
         node_choices = choices[start : start + c]
-        start += c
         req = step_requests.get(b)
         if req is None:  # no drafts: the one row is an ordinary sample
-            out[b, 0] = node_choices[0]
-            continue
-        accepted, next_token = follow_tree(req.tree, node_choices)
-        req.accepted = accepted
+            accepted = [0]
+        else:
+            accepted, next_token = follow_tree(req.tree, node_choices)
+            req.accepted = accepted
+            assert node_choices[accepted[-1]] == next_token
         emitted = [node_choices[a] for a in accepted]  # target choice at each accepted node
-        assert emitted[-1] == next_token
         out[b, : len(emitted)] = torch.tensor(emitted, dtype=torch.int32)
-    return out.to(logits.device)
+        rows[b] = start
+        rows[b, : len(accepted)] += torch.tensor(accepted)
+        start += c
+    logprobs = None
+    if sampling_metadata.max_num_logprobs is not None:
+        tokens = out.flatten().long().clamp(min=0)  # placeholders are filtered by vLLM later
+        picked = logits[rows.flatten().to(logits.device)].to(torch.float32)
+        if getattr(sampler, "logprobs_mode", "raw_logprobs") != "raw_logits":
+            picked = sampler.compute_logprobs(picked)
+        logprobs = sampler.gather_logprobs(
+            picked, sampling_metadata.max_num_logprobs, tokens.to(logits.device)
+        )
+    return out.to(logits.device), logprobs
 
 
 #: SamplingParams fields DDTree cannot yet honour exactly, with the value that means "unused".
@@ -101,7 +183,8 @@ _UNSUPPORTED_SAMPLING: dict[str, Any] = {
     "allowed_token_ids": None,
     "bad_words": None,
     "min_tokens": 0,
-    "logprobs": None,
+    "logprob_token_ids": None,
+    "min_p": 0.0,
     "prompt_logprobs": None,
     "structured_outputs": None,
     "logits_processors": None,
@@ -115,16 +198,11 @@ def validate_sampling_params(params: Any) -> None:
         params: a ``vllm.SamplingParams``.
 
     Raises:
-        DDTreeRequestError: ``temperature > 0`` (lossless sampling arrives with the T>0 work),
-            or any option in ``_UNSUPPORTED_SAMPLING`` set; the message names the option.
+        DDTreeRequestError: any option in ``_UNSUPPORTED_SAMPLING`` set (their logits
+            processing keeps per-batch-row state that tree node rows do not have, or structured
+            outputs filter drafts as a chain); the message names the option. Temperature,
+            top-k, top-p, seeds and logprobs are supported exactly.
     """
-    temperature = getattr(params, "temperature", 0.0)
-    if temperature is not None and temperature > 0:
-        raise DDTreeRequestError(
-            f"speculative method 'ddtree' supports greedy decoding only for now "
-            f"(SamplingParams.temperature={temperature}); use temperature=0",
-            **_where("temperature", temperature),
-        )
     for name, unused in _UNSUPPORTED_SAMPLING.items():
         value = getattr(params, name, unused)
         if value is None or value == unused or value in ([], {}):

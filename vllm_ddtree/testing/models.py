@@ -151,6 +151,36 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 2048, *, num_f
     return out
 
 
+def build_small_vocab_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 32) -> Path:
+    """A word-level tokenizer of ``vocab_size`` tokens, for statistical tests on tiny vocabularies.
+
+    Ids 0–2 are the specials of :func:`build_tokenizer` (``<|endoftext|>``, ``<|pad|>``,
+    ``<|mask|>``); the rest are the words ``w3 … w{V-1}`` split on whitespace. Tests feed token
+    ids directly (``TokensPrompt``); the tokenizer only has to detokenize. Returns ``Path(out_dir)``.
+
+    Raises ``ValueError`` if ``vocab_size`` < 4.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < len(SPECIAL_TOKENS) + 1:
+        raise ValueError(f"vocab_size must be at least {len(SPECIAL_TOKENS) + 1}, got {vocab_size}")
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    vocab.update({f"w{i}": i for i in range(len(SPECIAL_TOKENS), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
+        mask_token=MASK_TOKEN, unk_token=PAD_TOKEN, model_max_length=1 << 16,
+        clean_up_tokenization_spaces=False,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out))
+    return out
+
+
 def _copy_tokenizer(tokenizer_dir: Path, out: Path) -> None:
     for name in os.listdir(tokenizer_dir):
         if name.startswith("tokenizer") or name == "special_tokens_map.json":
