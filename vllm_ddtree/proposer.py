@@ -86,6 +86,12 @@ class DDTreeProposer(DFlashProposer):
                 f"{n_prefixes} draft prefixes of depth <= L={ddtree.drafter_horizon} exist "
                 f"(vocab {vocab}, ddtree_max_children={ddtree.max_children})"
             )
+        test_drafts = os.environ.get("VLLM_DDTREE_TEST_DRAFTS")
+        if test_drafts:  # test-only: drafts injected in spawned workers too
+            from vllm_ddtree.testing.injection import injector_from_file
+
+            set_draft_injector(injector_from_file(test_drafts))
+            logger.warning("DDTree: TEST-ONLY draft injection from %s", test_drafts)
         logger.info(
             "DDTree proposer ready in pid %d: node budget B=%d, drafter horizon L=%d",
             os.getpid(), ddtree.budget, ddtree.drafter_horizon,

@@ -8,13 +8,17 @@ the top-1 spine correct (deep acceptance); rank 1 or 2 at some depths makes the 
 leave the spine (e.g. accepted nodes ``[0, 3, 7]``), which is what KV compaction must handle.
 
 Both hooks are module globals of the worker, so they work with in-process engines only
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Never use them outside tests: they change the drafts
-(never the output — verification keeps the output equal to target-only decoding).
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``). For spawned workers (multiprocess engines, tensor
+parallel), :data:`TEST_DRAFTS_ENV` names a JSON file written by :func:`write_test_drafts`; every
+DDTree proposer then installs the injector it describes. Never use them outside tests: they change
+the drafts (never the output — verification keeps the output equal to target-only decoding).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -149,3 +153,46 @@ def recorded_verification() -> Iterator[VerificationRecorder]:
         yield rec
     finally:
         _verify.set_verify_observer(None)
+
+
+#: Environment variable: path of a JSON file of reference continuations; when set, every DDTree
+#: proposer (in any process) injects drafts from it. Test-only.
+TEST_DRAFTS_ENV = "VLLM_DDTREE_TEST_DRAFTS"
+
+
+def write_test_drafts(path: str | os.PathLike, references: Mapping[tuple[int, ...], Sequence[int]],
+                      sidestep_period: int = 0, rank_gap: float = 1.5) -> str:
+    """Write the file :data:`TEST_DRAFTS_ENV` points to.
+
+    Args:
+        references: ``prompt_token_ids -> target-only greedy output token ids``.
+        sidestep_period: if > 0, the token at output index ``i`` with
+            ``i % sidestep_period == sidestep_period // 2`` gets rank 1 (accepted paths leave
+            the top-1 spine); 0 keeps every target token at rank 0.
+        rank_gap: see :class:`ReferenceDraftInjector`.
+
+    Returns:
+        the path, as a string.
+    """
+    data = {
+        "references": [[list(k), list(v)] for k, v in references.items()],
+        "sidestep_period": int(sidestep_period),
+        "rank_gap": float(rank_gap),
+    }
+    with open(path, "w") as f:
+        json.dump(data, f)
+    return str(path)
+
+
+def injector_from_file(path: str | os.PathLike) -> ReferenceDraftInjector:
+    """The :class:`ReferenceDraftInjector` described by a :func:`write_test_drafts` file."""
+    with open(path) as f:
+        data = json.load(f)
+    period = data["sidestep_period"]
+
+    def rank(depth: int, index: int) -> int:
+        return 1 if period > 0 and index % period == period // 2 else 0
+
+    refs = {tuple(p): o for p, o in data["references"]}
+    return ReferenceDraftInjector(refs, rank, rank_gap=data["rank_gap"])
+
