@@ -9,16 +9,20 @@ and writer all inherited); only the impl changes, and only while a
 verification forward:
 
 * ``do_kv_cache_update`` additionally records the layer's fresh K/V for KV compaction;
-* ``forward`` runs vLLM's kernel for the whole batch, then recomputes every tree request's rows
-  with the ancestor-only mask of the DDTree paper (§3) in torch
-  (:func:`vllm_ddtree.attention.paged.tree_attention_reference`) over the committed prefix read
-  back from the paged cache plus the tree's own keys. This plays the role of the removed
+* ``forward`` runs vLLM's kernel for the whole batch, then recomputes the tree rows that the
+  causal result got wrong (rows with a sibling branch among their predecessors) under the
+  ancestor-only mask of the DDTree paper (§3) — again with vLLM's own kernel, over each row's
+  ancestor path laid out contiguously in the tree's KV slots, so tree rows round exactly like
+  target-only decoding in bf16 as in fp32. The torch
+  :func:`vllm_ddtree.attention.paged.tree_attention_reference` is the test oracle. This plays the role of the removed
   ``tree_attn.py``'s ``qq_bias`` path (vLLM PR #20401, removed by #42121) with a per-request mask.
 """
 
 from __future__ import annotations
 
 import torch
+from vllm import _custom_ops as ops
+from vllm import envs
 from vllm.v1.attention.backend import AttentionLayer, AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -31,7 +35,7 @@ from vllm_ddtree.attention.common import (
     TreeAttentionRequest,
     active_tree_batch,
 )
-from vllm_ddtree.attention.paged import gather_paged_kv, tree_attention_reference
+from vllm_ddtree.attention.paged import gather_paged_kv
 
 __all__ = ["DDTreeCPUAttentionBackend", "DDTreeCPUAttentionImpl"]
 
@@ -182,10 +186,18 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         output: torch.Tensor,
         batch: TreeAttentionBatch,
     ) -> None:
-        num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
-        key_cache, value_cache = kv_cache.view(
-            num_blocks, num_kv_heads, 2 * block_size, -1
-        ).chunk(2, dim=2)
+        """Recompute every tree row whose ancestors are not simply the rows before it.
+
+        A row whose ancestor-or-self set is ``{0 … i}`` (the root and a spine prefix) already got
+        the right result from vLLM's causal kernel. Every other row is recomputed **with vLLM's
+        own kernel** (``ops.cpu_attention_with_kv_cache``), so tree rows round exactly like
+        target-only decoding in every dtype: the row's ancestor path is written (through vLLM's
+        KV writer) into the request's tree slots ``context_len .. context_len + depth`` in path
+        order, the kernel runs the row as a one-token causal query over that contiguous path,
+        and the tree's own K/V are written back afterwards. One node per tree request is handled
+        per kernel call (different requests use different slots), so a step costs at most
+        ``max(n)`` extra kernel calls per layer.
+        """
         isa = getattr(layer, "isa", None)
         if isa is None:
             raise ValueError("attention layer has no 'isa' (set by CPUAttentionMetadataBuilder)")
@@ -193,11 +205,16 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         query_start_loc = attn_metadata.query_start_loc.tolist()
         seq_lens = attn_metadata.seq_lens.tolist()
         dynamic_causal = attn_metadata.dynamic_causal
-        # A layer sharing another layer's cache gets its K/V from that cache, not from `key`.
         fresh_kv = (
             key is not None and value is not None and self.kv_sharing_target_layer_name is None
         )
+        num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+        key_cache, value_cache = kv_cache.view(
+            num_blocks, num_kv_heads, 2 * block_size, -1
+        ).chunk(2, dim=2)
 
+        # Per request: the rows to recompute, each with its ancestor path (root first).
+        todo: list[tuple[TreeAttentionRequest, torch.Tensor, list[tuple[int, list[int]]]]] = []
         for req in batch.requests:
             self._check_request(req, query_start_loc, seq_lens, attn_metadata.num_actual_tokens)
             if dynamic_causal is not None and not bool(dynamic_causal[req.batch_index]):
@@ -205,22 +222,79 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
                     "DDTree tree attention on CPU does not support non-causal attention on tree "
                     f"rows (request {req.batch_index})"
                 )
-            rows = slice(req.query_start, req.query_start + req.num_rows)
-            block_row = attn_metadata.block_table[req.batch_index]
+            mask = req.ancestor_mask.to("cpu")
+            prefix = torch.ones(req.num_rows, req.num_rows, dtype=torch.bool).tril()
+            rows = [
+                (i, torch.nonzero(mask[i]).flatten().tolist())
+                for i in range(req.num_rows)
+                if not torch.equal(mask[i], prefix[i])
+            ]
+            if not rows:
+                continue
+            lo, hi = req.query_start, req.query_start + req.num_rows
             if fresh_kv:
-                prefix_k, prefix_v = gather_paged_kv(
-                    key_cache, value_cache, block_row, req.context_len, isa
+                tree_k, tree_v = key[lo:hi], value[lo:hi]
+            else:  # a layer sharing another layer's cache: the tree's K/V are in the cache
+                tree_k, tree_v = gather_paged_kv(
+                    key_cache, value_cache, attn_metadata.block_table[req.batch_index],
+                    req.context_len + req.num_rows, isa,
                 )
-                keys = torch.cat([prefix_k, key[rows].to(prefix_k.dtype)], dim=0)
-                values = torch.cat([prefix_v, value[rows].to(prefix_v.dtype)], dim=0)
-            else:
-                keys, values = gather_paged_kv(
-                    key_cache, value_cache, block_row, req.context_len + req.num_rows, isa
-                )
-            result = tree_attention_reference(
-                query[rows], keys, values, req.context_len, req.ancestor_mask, self.scale
+                tree_k, tree_v = tree_k[req.context_len :], tree_v[req.context_len :]
+            todo.append((req, (tree_k, tree_v), rows))
+        if not todo:
+            return
+
+        slots_all = attn_metadata.slot_mapping
+        for t in range(max(len(rows) for _, _, rows in todo)):
+            wave = [(req, kv, rows[t]) for req, kv, rows in todo if t < len(rows)]
+            ks, vs, slots, qrows, lens, tables = [], [], [], [], [], []
+            for req, (tree_k, tree_v), (i, path) in wave:
+                idx = torch.tensor(path, dtype=torch.long, device=tree_k.device)
+                ks.append(tree_k.index_select(0, idx))
+                vs.append(tree_v.index_select(0, idx))
+                slots.append(slots_all[req.query_start : req.query_start + len(path)])
+                qrows.append(req.query_start + i)
+                lens.append(req.context_len + len(path))
+                tables.append(req.batch_index)
+            CPUAttentionBackendImpl.do_kv_cache_update(
+                self, layer, torch.cat(ks), torch.cat(vs), kv_cache, torch.cat(slots)
             )
-            out[rows] = result.to(out.dtype)
+            self._kernel_rows(layer, query, out, key_cache, value_cache, attn_metadata, isa,
+                              qrows, lens, tables)
+        # Restore the tree's own K/V in node order (the layout the commit step expects).
+        for req, (tree_k, tree_v), _ in todo:
+            CPUAttentionBackendImpl.do_kv_cache_update(
+                self, layer, tree_k, tree_v, kv_cache,
+                slots_all[req.query_start : req.query_start + req.num_rows],
+            )
+
+    def _kernel_rows(self, layer, query, out, key_cache, value_cache, attn_metadata, isa,
+                     qrows: list[int], lens: list[int], tables: list[int]) -> None:
+        """Run vLLM's CPU kernel for single query rows as one-token causal requests."""
+        dev = query.device
+        n = len(qrows)
+        q = query[torch.tensor(qrows, device=dev)].contiguous()
+        res = torch.empty_like(q)
+        query_start_loc = torch.arange(n + 1, dtype=attn_metadata.query_start_loc.dtype,
+                                       device=dev)
+        seq_lens = torch.tensor(lens, dtype=attn_metadata.seq_lens.dtype, device=dev)
+        block_table = attn_metadata.block_table[torch.tensor(tables, device=dev)]
+        meta = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=n, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_size, seq_lens=seq_lens, dtype=query.dtype,
+            query_start_loc=query_start_loc, causal=True, sliding_window_size=-1, isa=isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=key_cache, value_cache=value_cache, output=res,
+            query_start_loc=query_start_loc, seq_lens=seq_lens, scale=self.scale, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=block_table, softcap=0,
+            scheduler_metadata=meta, s_aux=None, dynamic_causal=None,
+            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+        out[torch.tensor(qrows, device=dev)] = res.to(out.dtype)
 
     @staticmethod
     def _check_request(
