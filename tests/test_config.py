@@ -32,10 +32,10 @@ def test_translation_defaults(dflash_drafter):
 def test_budget_is_independent_of_horizon(dflash_drafter, budget, horizon, slots):
     vllm_spec, cfg = translate_speculative_config(
         spec(dflash_drafter, ddtree_budget=budget, num_speculative_tokens=horizon,
-             ddtree_max_children=4, ddtree_hybrid="shadow_linear")
+             ddtree_max_children=4, ddtree_hybrid="oracle")
     )
     assert (cfg.budget, cfg.drafter_horizon, cfg.max_children, cfg.hybrid) == (
-        budget, horizon, 4, "shadow_linear")
+        budget, horizon, 4, "oracle")
     assert vllm_spec["num_speculative_tokens"] == slots  # max(B, L) verification slots
     assert not any(k.startswith("ddtree") for k in vllm_spec)
 
@@ -61,11 +61,29 @@ def test_round_trip_through_additional_config(dflash_drafter):
         ({"ddtree_max_children": 0}, r"ddtree_max_children"),
         ({"ddtree_hybrid": "chain"}, r"ddtree_hybrid"),
         ({"disable_padded_drafter_batch": True}, r"disable_padded_drafter_batch"),
+        ({"ddtree_hybrid": "shadow_linear"}, r"shadow_linear.*not available"),
+        ({"num_speculative_tokens_per_batch_size": [(1, 8, 4)]},
+         r"num_speculative_tokens_per_batch_size"),
     ],
 )
 def test_bad_values_name_the_key(dflash_drafter, extra, match):
     with pytest.raises(DDTreeConfigError, match=match):
         translate_speculative_config(spec(dflash_drafter, **extra))
+
+
+def test_impossible_budgets(dflash_drafter):
+    # L = 1 over a 5-token vocabulary: at most 5 nodes; with 2 children per node and L = 2, 6.
+    with pytest.raises(DDTreeConfigError, match=r"ddtree_budget.*impossible.*only 5"):
+        translate_speculative_config(spec(dflash_drafter, ddtree_budget=6,
+                                          num_speculative_tokens=1), vocab_size=5)
+    with pytest.raises(DDTreeConfigError, match=r"impossible.*only 6"):
+        translate_speculative_config(spec(dflash_drafter, ddtree_budget=7, ddtree_max_children=2,
+                                          num_speculative_tokens=2), vocab_size=50)
+    translate_speculative_config(spec(dflash_drafter, ddtree_budget=6, ddtree_max_children=2,
+                                      num_speculative_tokens=2), vocab_size=50)
+    with pytest.raises(DDTreeConfigError, match=r"ddtree_budget.*max_num_batched_tokens=32"):
+        translate_speculative_config(spec(dflash_drafter, ddtree_budget=40),
+                                     max_num_batched_tokens=32)
 
 
 def test_requires_model():
@@ -76,7 +94,7 @@ def test_requires_model():
 def test_rejects_non_dflash_drafter(qwen3_target, tmp_path):
     with pytest.raises(DDTreeConfigError, match=r"not a DFlash drafter"):
         translate_speculative_config(spec(qwen3_target))
-    with pytest.raises(DDTreeConfigError, match=r"cannot read"):
+    with pytest.raises(DDTreeConfigError, match=r"no DFlash drafter config.json"):
         translate_speculative_config(spec(tmp_path / "missing"))
     bad = tmp_path / "noblock"
     bad.mkdir()
@@ -135,10 +153,12 @@ def test_engine_args_translate_and_carry(qwen3_target, dflash_drafter):
 def test_engine_args_bad_config_errors_before_start(qwen3_target, dflash_drafter):
     from vllm.engine.arg_utils import EngineArgs
 
-    for extra, match in (({"ddtree_budget": 0}, "ddtree_budget"),
-                         ({"ddtree_typo": 1}, "ddtree_typo")):
+    for extra, kw, match in (({"ddtree_budget": 0}, {}, "ddtree_budget"),
+                             ({"ddtree_typo": 1}, {}, "ddtree_typo"),
+                             ({"ddtree_budget": 40}, {"max_num_batched_tokens": 32},
+                              "ddtree_budget.*max_num_batched_tokens")):
         args = EngineArgs(
-            model=str(qwen3_target), dtype="float32", max_model_len=512,
+            model=str(qwen3_target), dtype="float32", max_model_len=512, **kw,
             speculative_config={"method": "ddtree", "model": str(dflash_drafter), **extra},
         )
         with pytest.raises(DDTreeConfigError, match=match):

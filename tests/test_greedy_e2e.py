@@ -313,3 +313,31 @@ def test_bf16_greedy_equals_target_only(qwen3_target, dflash_drafter):
         finally:
             release_llm(llm)
         assert any(any(a != j for j, a in enumerate(r["accepted"])) for r in rec.records)
+
+
+def test_large_budget_keeps_drafting_near_max_model_len(qwen3_target, dflash_drafter):
+    """vLLM stops drafting when a request nears max_model_len; the margin it needs is the DFlash
+    block (L + 1), not the node budget: B = 128 must keep drafting as long as B = 15 does."""
+    from vllm import SamplingParams
+
+    prompt = _stdlib_text("textwrap.py", 0, 2600)
+    engine = dict(ENGINE, max_num_batched_tokens=512)
+    params = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+    llm = make_llm(qwen3_target, **engine)
+    ref = llm.generate([prompt], params, use_tqdm=False)
+    release_llm(llm)
+    n_prompt = len(ref[0].prompt_token_ids)
+    assert 1024 - 250 < n_prompt + 160 <= 1024, n_prompt  # the last steps are near the limit
+    refs = {tuple(ref[0].prompt_token_ids): list(ref[0].outputs[0].token_ids)}
+    steps = {}
+    for budget in (15, 128):
+        llm = _ddtree(qwen3_target, dflash_drafter, budget, **engine)
+        try:
+            with injected_drafts(ReferenceDraftInjector(refs, rank_gap=8.0)), \
+                    recorded_verification() as rec:
+                got = _token_ids(llm.generate([prompt], params, use_tqdm=False))
+        finally:
+            release_llm(llm)
+        assert got == _token_ids(ref)
+        steps[budget] = len(rec.records)
+    assert steps[128] <= steps[15] + 1, steps

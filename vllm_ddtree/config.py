@@ -97,11 +97,11 @@ def read_dflash_drafter_config(model: str) -> dict[str, Any]:
         try:  # a hub id: only what is already cached locally (no network is assumed)
             from huggingface_hub import hf_hub_download
 
-            path = hf_hub_download(model, "config.json")
+            path = hf_hub_download(model, "config.json", local_files_only=True)
         except Exception as e:  # noqa: BLE001 - any failure means "cannot read"
             raise DDTreeConfigError(
-                f"speculative_config['model']={model!r}: cannot read the DFlash drafter's "
-                f"config.json ({type(e).__name__}: {e})"
+                f"speculative_config['model']={model!r}: no DFlash drafter config.json there "
+                "(not a local directory, and not a model in the local Hugging Face cache)"
             ) from e
     with open(path) as f:
         cfg = json.load(f)
@@ -124,13 +124,32 @@ def read_dflash_drafter_config(model: str) -> dict[str, Any]:
     return cfg
 
 
+def count_prefixes(vocab_size: int, horizon: int, max_children: int | None, cap: int) -> int:
+    """Number of distinct draft prefixes of depth 1..L (each node at most ``max_children``
+    children), counted up to ``cap``: the largest node budget a tree can fill."""
+    width, total = 1, 0
+    for _ in range(horizon):
+        width *= min(vocab_size, max_children or vocab_size)
+        total += width
+        if total >= cap:
+            return cap
+    return total
+
+
 def translate_speculative_config(
     spec: Mapping[str, Any],
+    *,
+    vocab_size: int | None = None,
+    max_num_batched_tokens: int | None = None,
 ) -> tuple[dict[str, Any], DDTreeConfig]:
     """Validate a ``{"method": "ddtree", ...}`` dict and turn it into vLLM's ``dflash`` dict.
 
     Args:
         spec: the user's speculative config (CLI JSON or ``LLM(speculative_config=...)``).
+        vocab_size: the target's vocabulary, when known: a budget larger than the number of
+            distinct draft prefixes is refused.
+        max_num_batched_tokens: the scheduler's token budget per step, when set: a tree of
+            ``B + 1`` rows must fit in one step.
 
     Returns:
         ``(vllm_spec, ddtree)``: ``vllm_spec`` is the same dict with ``method="dflash"``,
@@ -141,7 +160,10 @@ def translate_speculative_config(
         DDTreeConfigError: no ``model``; unknown ``ddtree_*`` key; ``ddtree_budget`` < 1 or not
             an int; ``num_speculative_tokens`` (L) < 1 or larger than the drafter's
             ``block_size - 1``; bad ``ddtree_max_children`` / ``ddtree_hybrid``; a drafter that is
-            not a DFlash checkpoint.
+            not a DFlash checkpoint; a budget that cannot be filled (``vocab_size``) or
+            scheduled (``max_num_batched_tokens``); ``ddtree_hybrid="shadow_linear"`` (not
+            available yet); ``num_speculative_tokens_per_batch_size`` (dynamic speculation
+            length does not apply to trees).
     """
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
     if spec.get("method") != "ddtree":
@@ -195,11 +217,34 @@ def translate_speculative_config(
             f"speculative_config['ddtree_hybrid'] must be one of {list(HYBRID_MODES)}, "
             f"got {hybrid!r}"
         )
-    for key, bad in (("disable_padded_drafter_batch", True),):
-        if spec.get(key) is bad:
+    if hybrid == "shadow_linear":
+        raise DDTreeConfigError(
+            "speculative_config['ddtree_hybrid']='shadow_linear' is not available yet"
+        )
+    if spec.get("disable_padded_drafter_batch") is True:
+        raise DDTreeConfigError(
+            "speculative_config['disable_padded_drafter_batch']=True is not supported with "
+            "method 'ddtree'"
+        )
+    if spec.get("num_speculative_tokens_per_batch_size") is not None:
+        raise DDTreeConfigError(
+            "speculative_config['num_speculative_tokens_per_batch_size'] (dynamic speculation "
+            "length) is not supported with method 'ddtree'; the node budget is "
+            "'ddtree_budget'"
+        )
+    if vocab_size is not None:
+        fillable = count_prefixes(vocab_size, horizon, max_children, budget)
+        if fillable < budget:
             raise DDTreeConfigError(
-                f"speculative_config['{key}']={bad} is not supported with method 'ddtree'"
+                f"speculative_config['ddtree_budget']={budget} is impossible: only {fillable} "
+                f"draft prefixes of depth <= L={horizon} exist (vocab {vocab_size}, "
+                f"ddtree_max_children={max_children})"
             )
+    if max_num_batched_tokens is not None and budget + 1 > max_num_batched_tokens:
+        raise DDTreeConfigError(
+            f"speculative_config['ddtree_budget']={budget} needs {budget + 1} verification slots "
+            f"per request in one step, more than max_num_batched_tokens={max_num_batched_tokens}"
+        )
 
     ddtree = DDTreeConfig(
         drafter=model,

@@ -179,7 +179,11 @@ def _create_speculative_config(original: Callable) -> Callable:
             spec[key] = value
             setattr(self, attr, None)
 
-        vllm_spec, ddtree = translate_speculative_config(spec)
+        vllm_spec, ddtree = translate_speculative_config(
+            spec,
+            vocab_size=target_model_config.get_vocab_size(),
+            max_num_batched_tokens=getattr(self, "max_num_batched_tokens", None),
+        )
         check_target_supported(target_model_config)
         if self.async_scheduling:
             raise DDTreeConfigError(
@@ -251,6 +255,24 @@ def _runner_init(original: Callable) -> Callable:
             raise RuntimeError("DDTree: vLLM did not build the DFlash drafter for this engine")
 
     return __init__
+
+
+@patch(_RUNNER, "GPUModelRunner._input_fits_in_drafter")
+def _input_fits_in_drafter(original: Callable) -> Callable:
+    def _input_fits_in_drafter(self, common_attn_metadata):
+        ddtree = getattr(self, "_ddtree", None)
+        if ddtree is None or common_attn_metadata is None:
+            return original(self, common_attn_metadata)
+        # vLLM sizes this by num_speculative_tokens = max(B, L) on top of the optimistic length
+        # (all B drafts accepted); the next DFlash block [bonus, MASK x L] only has to fit past
+        # what this step actually committed.
+        committed = getattr(self, "_ddtree_committed_max", None)
+        self._ddtree_committed_max = None
+        if committed is None:
+            committed = common_attn_metadata.max_seq_len
+        return committed + ddtree.drafter_horizon + 1 <= self.effective_drafter_max_model_len
+
+    return _input_fits_in_drafter
 
 
 @patch(_RUNNER, "GPUModelRunner._prepare_inputs")
@@ -332,6 +354,10 @@ def _sample(original: Callable) -> Callable:
         if step.aux_hidden_states is not None:
             gather_accepted_rows(step.aux_hidden_states, step.requests)
         notify_observer(step, logits, spec_decode_metadata.num_draft_tokens)
+        committed = self.optimistic_seq_lens_cpu[: self.input_batch.num_reqs].clone()
+        for r in step.requests:
+            committed[r.batch_index] = r.context_len + len(r.accepted)
+        self._ddtree_committed_max = int(committed.max())
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
 
     return _sample

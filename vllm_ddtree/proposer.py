@@ -20,7 +20,7 @@ import torch
 
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
+from vllm_ddtree.config import DDTreeConfig, count_prefixes, get_ddtree_config
 from vllm_ddtree.tree import DraftTree, build_draft_trees
 
 logger = logging.getLogger("vllm.ddtree")
@@ -53,7 +53,7 @@ class DDTreeProposer(DFlashProposer):
     Raises:
         ValueError: the node budget cannot fit in one scheduled batch
             (``B + 1 > max_num_batched_tokens``), or exceeds the number of distinct prefixes
-            of depth <= L over the vocabulary.
+            of depth <= L over the vocabulary (normally refused earlier, in the front end).
     """
 
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None):
@@ -67,24 +67,18 @@ class DDTreeProposer(DFlashProposer):
         self.last_log_probs: torch.Tensor | None = None
         self._ddtree_logits: torch.Tensor | None = None
 
+        # Checked again here with the final scheduler settings (the front end may not know
+        # vLLM's default token budget).
+        fillable = count_prefixes(
+            vllm_config.model_config.get_vocab_size(), ddtree.drafter_horizon,
+            ddtree.max_children, ddtree.budget,
+        )
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
-        if ddtree.budget + 1 > max_tokens:
+        if ddtree.budget + 1 > max_tokens or fillable < ddtree.budget:
             raise ValueError(
-                f"speculative_config['ddtree_budget']={ddtree.budget} needs {ddtree.budget + 1} "
-                f"verification slots per request, more than max_num_batched_tokens={max_tokens}"
-            )
-        vocab = vllm_config.model_config.get_vocab_size()
-        n_prefixes, width = 0, 1
-        for _ in range(ddtree.drafter_horizon):
-            width = width * min(vocab, ddtree.max_children or vocab)
-            n_prefixes += width
-            if n_prefixes >= ddtree.budget:
-                break
-        if n_prefixes < ddtree.budget:
-            raise ValueError(
-                f"speculative_config['ddtree_budget']={ddtree.budget} is impossible: only "
-                f"{n_prefixes} draft prefixes of depth <= L={ddtree.drafter_horizon} exist "
-                f"(vocab {vocab}, ddtree_max_children={ddtree.max_children})"
+                f"speculative_config['ddtree_budget']={ddtree.budget} cannot run: it needs "
+                f"{ddtree.budget + 1} slots per step (max_num_batched_tokens={max_tokens}) and "
+                f"{ddtree.budget} distinct draft prefixes ({fillable} exist)"
             )
         test_drafts = os.environ.get("VLLM_DDTREE_TEST_DRAFTS")
         if test_drafts:  # test-only: drafts injected in spawned workers too
