@@ -4,6 +4,10 @@ Runs the kernel under Triton's interpreter (``TRITON_INTERPRET=1``, set here bef
 imported) on CPU tensors, and compares it with the module's torch reference, which itself is
 checked against :func:`vllm_ddtree.attention.paged.tree_attention_reference` fed the original bool
 masks. Shapes are small: the interpreter runs every program in Python.
+
+``TRITON_INTERPRET`` must stay set while interpreted kernels run, so it remains set for the rest of
+the pytest process (harmless to vLLM on CPU, which disables Triton without a CPU backend). With
+``TRITON_INTERPRET=0`` on a CUDA machine the same tests run the compiled kernel on the GPU.
 """
 
 from __future__ import annotations
@@ -17,11 +21,15 @@ import torch  # noqa: E402
 
 try:
     import triton  # noqa: F401
-except ImportError:  # pragma: no cover
-    pytest.skip("triton is not installed (pip install triton==3.9.0)", allow_module_level=True)
 
-if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-    pytest.skip("TRITON_INTERPRET is not 1 and there is no GPU", allow_module_level=True)
+    _NO_KERNEL = None
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        _NO_KERNEL = "TRITON_INTERPRET is not 1 and there is no GPU"
+except ImportError:
+    _NO_KERNEL = "triton is not installed (the kernel tests need it: pip install triton==3.9.0)"
+
+#: The mask builder, torch reference and KV compaction are pure torch and always run.
+needs_kernel = pytest.mark.skipif(_NO_KERNEL is not None, reason=_NO_KERNEL or "")
 
 from vllm_ddtree.attention.paged import tree_attention_reference  # noqa: E402
 from vllm_ddtree.attention.triton_tree import (  # noqa: E402
@@ -39,7 +47,7 @@ from vllm_ddtree.attention.triton_tree import (  # noqa: E402
     unpack_tree_mask,
 )
 
-DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+DEVICE = "cuda" if _NO_KERNEL is None and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -135,6 +143,7 @@ def assert_close(got, want, tol):
 # --------------------------------------------------------------------------- kernel vs reference
 
 
+@needs_kernel
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_size,block_size,dtype,tol",
     [
@@ -176,6 +185,7 @@ def test_reference_tree_rows_match_paged_reference_with_original_masks():
         assert torch.equal(direct, want[rows])
 
 
+@needs_kernel
 def test_tiles_and_block_sizes_do_not_change_the_result():
     case = Case(**MIXED, num_heads=4, num_kv_heads=2, head_size=32, block_size=16, seed=3)
     want = case.reference()
@@ -185,6 +195,7 @@ def test_tiles_and_block_sizes_do_not_change_the_result():
         assert_close(got[:T], want[:T], 2e-5)
 
 
+@needs_kernel
 def test_strided_query_and_stacked_cache_layouts():
     case = Case(**MIXED, num_heads=4, num_kv_heads=2, head_size=32, block_size=16, seed=5)
     want = case.reference()
@@ -193,7 +204,8 @@ def test_strided_query_and_stacked_cache_layouts():
     fa = torch.stack([case.key_cache, case.value_cache])
     tr = torch.stack([case.key_cache, case.value_cache], dim=1)
     # A query whose heads are a strided slice of a wider buffer.
-    wide = torch.zeros(case.query.shape[0], case.query.shape[1], 2 * case.query.shape[2])
+    wide = torch.zeros(case.query.shape[0], case.query.shape[1], 2 * case.query.shape[2],
+                       device=DEVICE)
     wide[..., ::2] = case.query
     for query, k, v in [
         (case.query, fa[0], fa[1]),
@@ -204,6 +216,7 @@ def test_strided_query_and_stacked_cache_layouts():
         assert_close(got[:T], want[:T], 2e-5)
 
 
+@needs_kernel
 def test_chain_tree_is_exactly_causal():
     """A tree that is a chain (every node sees all earlier nodes) is plain causal attention."""
     kw = dict(q_lens=[16, 1, 9], seq_lens=[40, 21, 9], num_heads=4, num_kv_heads=2, head_size=64,
@@ -218,6 +231,7 @@ def test_chain_tree_is_exactly_causal():
     assert_close(got[:T], causal.kernel()[:T], 1e-5)
 
 
+@needs_kernel
 def test_masking_one_ancestor_changes_exactly_the_rows_that_saw_it():
     case = Case(q_lens=[12], seq_lens=[45], tree_rows=[12], num_heads=2, num_kv_heads=1,
                 head_size=32, block_size=16, seed=2)
@@ -229,7 +243,7 @@ def test_masking_one_ancestor_changes_exactly_the_rows_that_saw_it():
     assert int(sees.sum()) >= 1
     cut = mask.clone()
     cut[sees, node] = False
-    buffers = build_tree_mask_buffers([cut], case.q_lens)
+    buffers = build_tree_mask_buffers([cut], case.q_lens, device=DEVICE)
     before = case.kernel()
     after = case.kernel(buffers)
     assert_close(after[:12], case.reference(buffers)[:12], 2e-5)
@@ -237,6 +251,7 @@ def test_masking_one_ancestor_changes_exactly_the_rows_that_saw_it():
     assert torch.equal(changed, sees), (changed, sees)
 
 
+@needs_kernel
 def test_mask_bits_past_the_diagonal_are_honoured():
     """The kernel applies the bitmask as given, also to later tree keys (not only topological
     orders): row 1 additionally sees tree keys 3 and 7, row 0 key 9."""
@@ -244,12 +259,13 @@ def test_mask_bits_past_the_diagonal_are_honoured():
                 num_kv_heads=1, head_size=32, block_size=16, seed=6)
     mask = case.masks[0].clone()
     mask[1, 3] = mask[1, 7] = mask[0, 9] = True
-    buffers = build_tree_mask_buffers([mask, None], case.q_lens)
+    buffers = build_tree_mask_buffers([mask, None], case.q_lens, device=DEVICE)
     got, want = case.kernel(buffers), case.reference(buffers)
     assert_close(got[:11], want[:11], 2e-5)
     assert (got[:2] - case.kernel()[:2]).abs().flatten(1).amax(1).min() > 1e-4
 
 
+@needs_kernel
 def test_benchmark_smoke_runs():
     """``benchmarks/gpu_tree_attention.py --smoke`` (the GPU script's CPU mode) is not broken."""
     import subprocess
@@ -264,6 +280,7 @@ def test_benchmark_smoke_runs():
     assert "all checks passed" in proc.stdout and "| tree / chain |" in proc.stdout
 
 
+@needs_kernel
 def test_max_query_len_bound_and_empty_batch():
     case = Case(**MIXED, num_heads=4, num_kv_heads=2, head_size=32, block_size=16, seed=9)
     T = int(case.query_start_loc[-1])
@@ -365,6 +382,7 @@ def test_kernel_rejects_bad_input():
     call(q, k, v, bt, sl, qsl[:-1], ts, tm, to, scale)
     call(q, k, v, bt, sl, qsl, ts[:1], tm, to, scale)
     call(q, k, v, bt, sl, qsl, ts, tm, to, scale, output=torch.empty(2, 4, 32))
+    call(q, k, v, bt, sl, qsl, ts, tm.to("meta"), to, scale)  # tensors on two devices
     call(q, k, v, bt, sl, qsl, ts, tm, to, scale, block_m=24)
     call(q, k, v, bt, sl, qsl, ts, tm, to, scale, tile_n=8)
     # Metadata checks (check_metadata=True; the reference always checks).
@@ -374,8 +392,8 @@ def test_kernel_rejects_bad_input():
         (sl, torch.tensor([3, -1]), to),  # tree_start == q_len
         (sl, ts, torch.tensor([tm.numel() - 1, 0])),  # mask words past the buffer
     ]:
-        meta = (bt, bad_sl.to(torch.int32), qsl, bad_ts.to(torch.int32), tm,
-                bad_to.to(torch.int32), scale)
+        meta = (bt, bad_sl.to(DEVICE, torch.int32), qsl, bad_ts.to(DEVICE, torch.int32), tm,
+                bad_to.to(DEVICE, torch.int32), scale)
         call(q, k, v, *meta, check_metadata=True)
         with pytest.raises(ValueError):
             tree_attention_paged_reference(q, k, v, *meta)

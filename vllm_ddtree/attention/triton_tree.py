@@ -44,14 +44,19 @@ A step's trees need ``sum_r m_r * ceil(m_r / 32)`` words, at most
 ``max_tree_tokens * ceil(max_tree_rows / 32)`` (:func:`max_tree_mask_words`), where
 ``max_tree_tokens`` bounds the tree rows of one step (e.g. ``max_num_seqs * (B + 1)``) and
 ``max_tree_rows`` the rows of one tree. Allocate once (:func:`allocate_tree_mask_buffers`) and
-rewrite in place every step (``build_tree_mask_buffers(..., out=buffers)``): the kernel's inputs
-keep their addresses, so a captured CUDA graph can replay it when ``max_query_len`` is fixed too.
+rewrite in place every step (``build_tree_mask_buffers(..., out=buffers)``, outside any CUDA-graph
+capture: it packs on the masks' device and copies two small host lists). The kernel's inputs then
+keep their addresses, so a captured graph can replay it when ``max_query_len`` is passed as a fixed
+host int (the launch grid is ``(num_reqs, ceil(max_query_len / BLOCK_Q), num_kv_heads)``; programs
+past a request's rows exit at once, and requests with 0 rows are padding).
 
 KV compaction after verification (:func:`compact_kv_nhd`, :func:`compact_kv_stacked`) copies the
 accepted nodes' K/V slots onto their committed slots with one gather and one scatter.
 
-Importing this module needs only torch (it never imports vLLM); the kernel needs Triton (a GPU, or
-``TRITON_INTERPRET=1`` set before Triton is imported to run it on CPU tensors).
+Importing this module needs only torch (it never imports vLLM); the kernel needs Triton: a CUDA
+GPU, or Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1`` set before this module is
+imported and kept set while the kernel runs; there bf16 products are computed in fp32, since
+Triton 3.9's interpreter gets bf16 ``tl.dot`` wrong).
 """
 
 from __future__ import annotations
@@ -284,7 +289,13 @@ def gather_paged_kv_nhd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """First ``num_tokens`` keys/values of one request from an NHD paged cache.
 
-    Returns ``[num_tokens, num_kv_heads, head_size]`` copies in the cache dtype.
+    Token ``p`` is read at ``key_cache[block_table_row[p // block_size], p % block_size]``.
+
+    Returns:
+        ``(keys, values)``, each ``[num_tokens, num_kv_heads, head_size]`` (copies, cache dtype).
+
+    Raises:
+        ValueError: ``block_table_row`` holds fewer than ``ceil(num_tokens / block_size)`` blocks.
     """
     block_size = key_cache.shape[1]
     pos = torch.arange(num_tokens, device=key_cache.device)
@@ -703,8 +714,6 @@ def tree_attention_paged(
             devices, GQA ratio, or (``check_metadata``) inconsistent metadata.
         RuntimeError: Triton is not installed.
     """
-    if not HAS_TRITON:
-        raise RuntimeError("tree_attention_paged needs Triton (pip install triton)")
     _check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
                 tree_start, tree_mask, tree_mask_offsets, output)
     if output is None:
@@ -739,6 +748,8 @@ def tree_attention_paged(
         launch["num_warps"] = num_warps
     if num_stages is not None:
         launch["num_stages"] = num_stages
+    if not HAS_TRITON:
+        raise RuntimeError("tree_attention_paged needs Triton (pip install triton)")
     grid = (num_reqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _tree_attention_kernel[grid](
         query, key_cache, value_cache, output,
