@@ -168,9 +168,14 @@ def verify_tree_step(
         picked = logits[rows.flatten().to(logits.device)].to(torch.float32)
         if getattr(sampler, "logprobs_mode", "raw_logprobs") != "raw_logits":
             picked = sampler.compute_logprobs(picked)
-        logprobs = sampler.gather_logprobs(
-            picked, sampling_metadata.max_num_logprobs, tokens.to(logits.device)
-        )
+        if sampling_metadata.max_num_logprobs == -1:  # the whole vocabulary, like Sampler
+            from vllm.v1.outputs import LogprobsTensors
+
+            logprobs = LogprobsTensors(torch.empty(0), picked, torch.empty(0))
+        else:
+            logprobs = sampler.gather_logprobs(
+                picked, sampling_metadata.max_num_logprobs, tokens.to(logits.device)
+            )
     return out.to(logits.device), logprobs
 
 
