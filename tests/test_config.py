@@ -224,3 +224,15 @@ def test_llm_refuses_unsupported_request(qwen3_target, dflash_drafter):
         assert len(out[0].outputs[0].token_ids) == 4
     finally:
         release_llm(llm)
+
+
+def test_custom_logits_processors_are_refused(qwen3_target, dflash_drafter):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(qwen3_target), dtype="float32", max_model_len=512,
+        logits_processors=["vllm.v1.sample.logits_processor.builtin:MinPLogitsProcessor"],
+        speculative_config={"method": "ddtree", "model": str(dflash_drafter)},
+    )
+    with pytest.raises(DDTreeConfigError, match="logits_processors"):
+        args.create_engine_config()

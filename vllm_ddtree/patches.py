@@ -191,6 +191,11 @@ def _create_speculative_config(original: Callable) -> Callable:
                 "(tree positions need the committed length of every request)"
             )
         self.async_scheduling = False
+        if getattr(self, "logits_processors", None):
+            raise DDTreeConfigError(
+                "logits_processors are not supported with speculative method 'ddtree' (their "
+                "per-request state cannot be mapped onto draft-tree nodes)"
+            )
         logprobs_mode = getattr(self, "logprobs_mode", "raw_logprobs")
         if logprobs_mode not in ("raw_logprobs", "raw_logits"):
             raise DDTreeConfigError(
