@@ -187,7 +187,7 @@ def test_hybrid_target_is_refused_at_startup(qwen3_next_target, dflash_drafter):
 @pytest.mark.parametrize(
     "kw, name",
     [
-        ({"temperature": 0.7, "min_p": 0.1}, "min_p"),
+        ({"temperature": 0.7, "allowed_token_ids": [3, 4]}, "allowed_token_ids"),
         ({"temperature": 0, "presence_penalty": 0.5}, "presence_penalty"),
         ({"temperature": 0, "repetition_penalty": 1.2}, "repetition_penalty"),
         ({"temperature": 0, "logit_bias": {3: 1.0}}, "logit_bias"),

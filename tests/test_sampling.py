@@ -33,6 +33,7 @@ CONFIGS = [
     dict(temperature=1.0),
     dict(temperature=1.5),
     dict(temperature=1.0, top_p=0.8, top_k=10),
+    dict(temperature=1.0, min_p=0.1),
 ]
 
 
@@ -150,8 +151,8 @@ def test_naive_acceptance_rule_is_detected(ddtree_llm, target_only, monkeypatch)
     real = verify.verify_tree_step
     gen = torch.Generator().manual_seed(0)
 
-    def naive(logits, num_draft_tokens, step_requests, md, sampler):
-        sampled, logprobs = real(logits, num_draft_tokens, step_requests, md, sampler)
+    def naive(logits, num_draft_tokens, step_requests, md, sampler, *rest):
+        sampled, logprobs = real(logits, num_draft_tokens, step_requests, md, sampler, *rest)
         start = 0
         for b, n in enumerate(num_draft_tokens):
             req = step_requests.get(b)
@@ -212,7 +213,8 @@ def test_mixed_batch_logprobs_and_seeds(qwen3_target, dflash_drafter):
         SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, ignore_eos=True, seed=7,
                        logprobs=2),
         SamplingParams(temperature=0, max_tokens=17, ignore_eos=True),
-        SamplingParams(temperature=1.2, top_k=5, max_tokens=24, ignore_eos=True, seed=3),
+        SamplingParams(temperature=1.2, top_k=5, min_p=0.05, max_tokens=24, ignore_eos=True,
+                       seed=3),
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0),
     ]
     greedy = [0, 2, 4]

@@ -8,7 +8,8 @@ falls through to vLLM's original unchanged unless DDTree is configured for the e
 Front end (process that builds the config / accepts requests):
   * ``EngineArgs.create_speculative_config``: ``{"method": "ddtree", ...}`` -> vLLM's ``dflash``
     config + ``additional_config["ddtree"]`` (:func:`vllm_ddtree.config.translate_speculative_config`).
-  * ``InputProcessor._validate_params``: refuse sampling options DDTree cannot honour exactly.
+  * ``InputProcessor._validate_params``: refuse sampling options DDTree cannot honour exactly;
+    let min-p through (vLLM refuses it for chain speculative decoding only).
 Worker (V1 model runner, ``vllm/v1/worker/gpu_model_runner.py``; the CPU runner subclasses it):
   * ``GPUModelRunner.__init__``: build :class:`~vllm_ddtree.proposer.DDTreeProposer` where vLLM
     builds ``DFlashProposer`` (a subclass, so vLLM's ``isinstance`` checks hold).
@@ -229,6 +230,15 @@ def _validate_params(original: Callable) -> Callable:
             from vllm_ddtree.verify import validate_sampling_params
 
             validate_sampling_params(params)
+            if params.min_p:
+                # vLLM refuses min-p under any speculative decoding because its rejection
+                # sampler ignores it on draft rows; DDTree applies vLLM's min-p processor at
+                # every node (vllm_ddtree.verify), so only that check is skipped.
+                min_p, params.min_p = params.min_p, 0.0
+                try:
+                    return original(self, params, *args, **kwargs)
+                finally:
+                    params.min_p = min_p
         return original(self, params, *args, **kwargs)
 
     return _validate_params
@@ -342,18 +352,27 @@ def _sample(original: Callable) -> Callable:
     def _sample(self, logits, spec_decode_metadata, *args, **kwargs):
         step = getattr(self, "_ddtree_step", None)
         self._ddtree_step = None
-        if step is None or spec_decode_metadata is None:
+        if getattr(self, "_ddtree", None) is None or spec_decode_metadata is None:
             return original(self, logits, spec_decode_metadata, *args, **kwargs)
         from vllm.v1.outputs import SamplerOutput
 
         from vllm_ddtree.commit import compact_kv, gather_accepted_rows
         from vllm_ddtree.verify import notify_observer, verify_tree_step
 
-        by_batch = {r.batch_index: r for r in step.requests}
+        # Steps without any draft (e.g. all requests prefilling) also sample here, so every
+        # token of a DDTree engine goes through the same processing (min-p included).
+        num_reqs = self.input_batch.num_reqs
+        min_p = [
+            getattr(self.requests[r].sampling_params, "min_p", 0.0) or 0.0
+            for r in self.input_batch.req_ids[:num_reqs]
+        ]
+        by_batch = {r.batch_index: r for r in step.requests} if step is not None else {}
         sampled, logprobs = verify_tree_step(
             logits, spec_decode_metadata.num_draft_tokens, by_batch,
-            self.input_batch.sampling_metadata, self.sampler,
+            self.input_batch.sampling_metadata, self.sampler, min_p if any(min_p) else None,
         )
+        if step is None:
+            return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
         if step.attn_batch.recorded_kv:
             compact_kv(step.attn_batch, step.requests, step.slot_mappings)
         if step.aux_hidden_states is not None:

@@ -51,11 +51,29 @@ def notify_observer(step: Any, logits: torch.Tensor, num_draft_tokens: Sequence[
         _VERIFY_OBSERVER(step, logits, num_draft_tokens)
 
 
+def _node_min_p(min_p: Sequence[float], reps: torch.Tensor) -> Any:
+    """vLLM's min-p logits processor (``MinPLogitsProcessor.apply``, argmax-invariant, applied by
+    ``Sampler.sample`` right after the temperature) with one threshold per node row.
+
+    vLLM does not build that processor when speculative decoding is on (it refuses min-p there,
+    because its rejection sampler would ignore it on draft rows), so DDTree builds the processor's
+    state itself and reuses its ``apply``.
+    """
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+
+    proc = MinPLogitsProcessor.__new__(MinPLogitsProcessor)
+    values = torch.tensor(list(min_p), dtype=torch.float32, device=reps.device)
+    proc.min_p = values.repeat_interleave(reps).unsqueeze(1)
+    proc.min_p_count = int((values > 0).sum())
+    return proc
+
+
 def sample_nodes(
     logits: torch.Tensor,
     counts: Sequence[int],
     sampling_metadata: Any,
     sampler: Any,
+    min_p: Sequence[float] | None = None,
 ) -> torch.Tensor:
     """The target's own choice at every tree node: its argmax, or a sample at T > 0.
 
@@ -63,19 +81,24 @@ def sample_nodes(
     its request (``Sampler.sample`` in ``vllm/v1/sample/sampler.py``: temperature, top-k/top-p,
     per-request seeded generators; greedy rows take ``Sampler.greedy_sample``). The per-request
     parameters are expanded to the request's node rows, like vLLM's rejection sampler does for
-    chain drafts (``apply_sampling_constraints``). Each node gets fresh noise, so node samples are
+    chain drafts (``apply_sampling_constraints``); min-p goes through vLLM's own processor. Each node gets fresh noise, so node samples are
     independent draws from ``p(. | prefix + ancestors)``: walking with them is lossless (DDTree
     paper §3.4, reference sample-and-walk). Options whose state is per batch row (penalties,
-    logit bias, min-p, …) are refused up front (:func:`validate_sampling_params`).
+    logit bias, …) are refused up front (:func:`validate_sampling_params`).
 
     Args:
         logits: ``[sum(counts), V]`` target logits, node rows request after request.
         counts: ``n_r + 1`` rows per request, batch order.
         sampling_metadata: the batch's ``vllm.v1.sample.metadata.SamplingMetadata``.
         sampler: the runner's ``vllm.v1.sample.sampler.Sampler``.
+        min_p: per request, ``SamplingParams.min_p`` (``None``: no request uses it).
 
     Returns:
         ``[sum(counts)]`` int64 token choices.
+
+    Raises:
+        NotImplementedError: the batch carries argmax-invariant logits processors (custom ones;
+            refused at start-up) whose per-row state cannot follow tree nodes.
     """
     from dataclasses import replace
 
@@ -105,8 +128,12 @@ def sample_nodes(
         generators=generators,
         max_num_logprobs=None,
         logprob_token_ids=None,
-        logitsprocs=LogitsProcessors(),
+        logitsprocs=LogitsProcessors(
+            [_node_min_p(min_p, reps)] if min_p is not None and any(min_p) else []
+        ),
     )
+    if sampling_metadata.logitsprocs.argmax_invariant:
+        raise NotImplementedError("DDTree cannot map custom logits processors onto tree nodes")
     sampled, _ = sampler.sample(x, md)
     return sampled.long()
 
@@ -117,6 +144,7 @@ def verify_tree_step(
     step_requests: dict[int, StepRequest],
     sampling_metadata: Any,
     sampler: Any,
+    min_p: Sequence[float] | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """Tree verification for one step: node choices, the walk, the emitted tokens, logprobs.
 
@@ -128,6 +156,7 @@ def verify_tree_step(
             gets its ``accepted`` path filled in.
         sampling_metadata: the batch's ``SamplingMetadata``.
         sampler: the runner's vLLM ``Sampler``.
+        min_p: per request ``SamplingParams.min_p``, or ``None``.
 
     Returns:
         ``(sampled, logprobs)``: ``sampled`` is ``[num_reqs, max(n_r) + 1]`` int32 on
@@ -143,7 +172,7 @@ def verify_tree_step(
     counts = [int(n) + 1 for n in num_draft_tokens]
     if logits.shape[0] != sum(counts):
         raise ValueError(f"logits has {logits.shape[0]} rows, expected {sum(counts)}")
-    choices = sample_nodes(logits, counts, sampling_metadata, sampler).tolist()
+    choices = sample_nodes(logits, counts, sampling_metadata, sampler, min_p).tolist()
     width = max(counts)
     out = torch.full((len(counts), width), PLACEHOLDER_TOKEN_ID, dtype=torch.int32)
     rows = torch.zeros((len(counts), width), dtype=torch.long)  # logits row of each output
@@ -189,7 +218,6 @@ _UNSUPPORTED_SAMPLING: dict[str, Any] = {
     "bad_words": None,
     "min_tokens": 0,
     "logprob_token_ids": None,
-    "min_p": 0.0,
     "prompt_logprobs": None,
     "structured_outputs": None,
     "logits_processors": None,
@@ -206,7 +234,7 @@ def validate_sampling_params(params: Any) -> None:
         DDTreeRequestError: any option in ``_UNSUPPORTED_SAMPLING`` set (their logits
             processing keeps per-batch-row state that tree node rows do not have, or structured
             outputs filter drafts as a chain); the message names the option. Temperature,
-            top-k, top-p, seeds and logprobs are supported exactly.
+            top-k, top-p, min-p, seeds and logprobs are supported exactly.
     """
     for name, unused in _UNSUPPORTED_SAMPLING.items():
         value = getattr(params, name, unused)
