@@ -16,6 +16,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernel tests run under Triton's interpreter, which must be chosen before
+# anything (vLLM included) imports triton. vLLM keeps its own Triton use disabled on CPU either way.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from vllm_ddtree.testing.models import TinyModelZoo, apply_cpu_test_env
 
