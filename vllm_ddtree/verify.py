@@ -34,6 +34,7 @@ except ImportError:  # pragma: no cover - vLLM is always present at run time
 class DDTreeRequestError(_ClientError, ValueError):  # type: ignore[misc,valid-type]
     """A request option DDTree cannot honour exactly (a ``ValueError``; HTTP 400 in the server)."""
 
+
 #: Test-only observer (``vllm_ddtree.testing.injection``): called after every verified step as
 #: ``observer(step, logits, num_draft_tokens)``. In-process engines only.
 _VERIFY_OBSERVER: Callable[..., None] | None = None
