@@ -145,10 +145,10 @@ def test_greedy_equals_target_only(qwen3_target, dflash_drafter, reference, budg
         assert per_pos[d - 1] == sum(1 for x in depths if x >= d), f"depth {d}"
 
 
-def test_node_logits_equal_ancestor_chain(qwen3_target, dflash_drafter, reference):
-    """Node-context oracle: each tree node's target logits equal the logits of running its
-    ancestor path alone as a chain (Hugging Face transformers, fp32). Catches wrong positions
-    and masks."""
+@pytest.fixture(scope="module")
+def recorded_b40(qwen3_target, dflash_drafter, reference):
+    """One injected DDTree run at B = 40 with every verified step recorded, plus each request's
+    full token sequence and a Hugging Face copy of the target (the oracles below)."""
     from transformers import AutoModelForCausalLM
 
     llm = _ddtree(qwen3_target, dflash_drafter, 40)
@@ -160,6 +160,14 @@ def test_node_logits_equal_ancestor_chain(qwen3_target, dflash_drafter, referenc
         release_llm(llm)
     full = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs}
     hf = AutoModelForCausalLM.from_pretrained(str(qwen3_target), dtype=torch.float32).eval()
+    return rec, full, hf
+
+
+def test_node_logits_equal_ancestor_chain(recorded_b40):
+    """Node-context oracle: each tree node's target logits equal the logits of running its
+    ancestor path alone as a chain (Hugging Face transformers, fp32). Catches wrong positions
+    and masks."""
+    rec, full, hf = recorded_b40
     checked = 0
     for r in [r for r in rec.records if r["is_tree"]][:6]:
         seq = full[r["req_id"].split("-")[0]]
@@ -179,24 +187,14 @@ def test_node_logits_equal_ancestor_chain(qwen3_target, dflash_drafter, referenc
     assert checked > 40
 
 
-def test_drafter_context_is_the_accepted_path(qwen3_target, dflash_drafter, reference):
+def test_drafter_context_is_the_accepted_path(recorded_b40, dflash_drafter):
     """After an accepted path leaves the spine, the rows the next DFlash pass reads hold the
     target's tapped hidden states of root + accepted path, in path order (equal to a chain run
     of the same tokens in Hugging Face transformers)."""
-    from transformers import AutoModelForCausalLM
-
     from vllm_ddtree.testing.models import read_config
 
-    llm = _ddtree(qwen3_target, dflash_drafter, 40)
-    injector = ReferenceDraftInjector(reference["refs"], _spine_with_sidesteps)
-    try:
-        with injected_drafts(injector), recorded_verification() as rec:
-            outs = llm.generate(PROMPTS[:4], _params()[:4])
-    finally:
-        release_llm(llm)
-    full = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs}
+    rec, full, hf = recorded_b40
     layer_ids = read_config(dflash_drafter)["dflash_config"]["target_layer_ids"]
-    hf = AutoModelForCausalLM.from_pretrained(str(qwen3_target), dtype=torch.float32).eval()
     off_spine = [r for r in rec.records
                  if r["is_tree"] and any(a != j for j, a in enumerate(r["accepted"]))]
     assert off_spine, "no accepted path off the spine"
