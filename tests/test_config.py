@@ -236,3 +236,17 @@ def test_custom_logits_processors_are_refused(qwen3_target, dflash_drafter):
     )
     with pytest.raises(DDTreeConfigError, match="logits_processors"):
         args.create_engine_config()
+
+
+def test_hand_set_additional_config_is_refused(qwen3_target, dflash_drafter):
+    """The worker-side settings come only from the speculative config; a conflicting hand-set
+    ``additional_config["ddtree"]`` (which would reach the workers) is a clear error."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(qwen3_target), dtype="float32", max_model_len=512,
+        additional_config={"ddtree": {"budget": 3}},
+        speculative_config={"method": "ddtree", "model": str(dflash_drafter), "ddtree_budget": 8},
+    )
+    with pytest.raises(DDTreeConfigError, match=r"additional_config\['ddtree'\]"):
+        args.create_engine_config()
