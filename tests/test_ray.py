@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ddtree.testing.injection import TEST_DRAFTS_ENV, write_test_drafts
-from vllm_ddtree.testing.models import make_llm, release_llm
+from vllm_ddtree.testing.injection import TEST_DRAFTS_ENV, reference_drafts
 
 pytest.importorskip("ray")
 
@@ -45,18 +44,7 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_ray_tp2_ddtree_equals_target_only(qwen3_target, dflash_drafter, tmp_path):
-    from vllm import SamplingParams
-
-    llm = make_llm(qwen3_target)
-    ref = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                       use_tqdm=False)
-    release_llm(llm)
-    want = [list(o.outputs[0].token_ids) for o in ref]
-    drafts = write_test_drafts(
-        tmp_path / "drafts.json",
-        {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in ref},
-        sidestep_period=7,
-    )
+    want, drafts = reference_drafts(qwen3_target, PROMPTS, 24, tmp_path / "drafts.json")
     script = tmp_path / "ray_tp2.py"
     script.write_text(SCRIPT)
     env = dict(

@@ -12,8 +12,7 @@ import os
 import subprocess
 import sys
 
-from vllm_ddtree.testing.injection import TEST_DRAFTS_ENV, write_test_drafts
-from vllm_ddtree.testing.models import make_llm, release_llm
+from vllm_ddtree.testing.injection import TEST_DRAFTS_ENV, reference_drafts
 
 PROMPTS = ["def main():\n", "import os\nimport sys\n", "class Foo:\n    def __init__(self):",
            "x = 1"]
@@ -37,18 +36,7 @@ if __name__ == "__main__":
 
 
 def test_tp2_greedy_equals_tp1_target_only(qwen3_target, dflash_drafter, tmp_path):
-    from vllm import SamplingParams
-
-    llm = make_llm(qwen3_target)
-    ref = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                                               ignore_eos=True), use_tqdm=False)
-    release_llm(llm)
-    want = [list(o.outputs[0].token_ids) for o in ref]
-    drafts = write_test_drafts(
-        tmp_path / "drafts.json",
-        {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in ref},
-        sidestep_period=7,
-    )
+    want, drafts = reference_drafts(qwen3_target, PROMPTS, MAX_TOKENS, tmp_path / "drafts.json")
     script = tmp_path / "tp2.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_OMP_THREADS_BIND="0|1",

@@ -196,3 +196,28 @@ def injector_from_file(path: str | os.PathLike) -> ReferenceDraftInjector:
     refs = {tuple(p): o for p, o in data["references"]}
     return ReferenceDraftInjector(refs, rank, rank_gap=data["rank_gap"])
 
+
+def reference_drafts(target: str | os.PathLike, prompts: Sequence[str], max_tokens: int,
+                     path: str | os.PathLike, sidestep_period: int = 7
+                     ) -> tuple[list[list[int]], str]:
+    """Target-only greedy outputs of ``prompts`` (in-process engine) and a
+    :data:`TEST_DRAFTS_ENV` file built from them, for tests whose DDTree engine runs in spawned
+    workers (multiprocess, tensor parallel, Ray).
+
+    Returns:
+        ``(token ids per prompt, path of the drafts file)``.
+    """
+    from vllm import SamplingParams
+
+    from vllm_ddtree.testing.models import make_llm, release_llm
+
+    llm = make_llm(target)
+    try:
+        ref = llm.generate(list(prompts), SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                         ignore_eos=True), use_tqdm=False)
+    finally:
+        release_llm(llm)
+    refs = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in ref}
+    drafts = write_test_drafts(path, refs, sidestep_period=sidestep_period)
+    return [list(o.outputs[0].token_ids) for o in ref], drafts
+
