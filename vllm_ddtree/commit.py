@@ -19,7 +19,7 @@ accepted nodes' rows are gathered to rows ``0..k`` in path order.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -107,3 +107,31 @@ def gather_accepted_rows(tensors: Sequence[torch.Tensor], requests: Sequence[Ste
         s = torch.tensor(src, dtype=torch.long, device=t.device)
         d = torch.tensor(dst, dtype=torch.long, device=t.device)
         t.index_copy_(0, d, t.index_select(0, s))  # gather first: sources are never clobbered
+
+
+def relayout_recurrent(ctx: Any, requests: Sequence[Any]) -> None:
+    """Re-lay every recurrent layer's conv and recurrent state along the accepted paths.
+
+    After this, the state a chain of ``a`` accepted drafts would have left is where vLLM's
+    chain bookkeeping reads it next step (``num_accepted_tokens = a + 1``): conv window at
+    columns ``[a, a + W - 1)`` of the request's conv buffer, recurrent state in slot ``a``
+    (:mod:`vllm_ddtree.hybrid.oracle`; design: vllm-integration.md §6.5).
+
+    Args:
+        ctx: the step's :class:`~vllm_ddtree.hybrid.context.HybridTreeContext`.
+        requests: the step's ``StepRequest`` list with ``accepted`` set by verification.
+    """
+    from vllm_ddtree.hybrid.oracle import relayout_conv_buffer, relayout_recurrent_state
+
+    accepted = {r.batch_index: r.accepted for r in requests if r.is_tree}
+    if not accepted:
+        return
+    for rec in ctx.records:
+        lay = rec.layout
+        for n, b in enumerate(lay.batch_index):
+            path = accepted.get(b)
+            if not path or not lay.is_tree[n]:
+                continue
+            relayout_conv_buffer(rec.conv_buf[int(lay.conv_slots[n])], path, rec.width)
+            s, q = lay.seq_starts[n], lay.seq_lens[n]
+            relayout_recurrent_state(rec.states, lay.dst_slots[s : s + q].tolist(), path)

@@ -26,11 +26,14 @@ that a ``ddtree`` request fails with an error naming both versions.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+import torch
 
 from vllm_ddtree import SUPPORTED_VLLM_VERSION
 from vllm_ddtree.config import (
@@ -44,7 +47,7 @@ from vllm_ddtree.config import (
 logger = logging.getLogger("vllm.ddtree")
 
 _MARK = "__vllm_ddtree_patch__"
-_REGISTRY: list[tuple[str, str, Callable[[Callable], Callable]]] = []
+_REGISTRY: list[tuple[str, str, Callable[[Callable], Callable], bool]] = []
 
 
 class UnsupportedVLLMVersion(RuntimeError):
@@ -75,14 +78,25 @@ def _plugin_version() -> str:
     return __version__
 
 
-def patch(module: str, qualname: str) -> Callable[[Callable[[Callable], Callable]], Callable]:
-    """Register ``make_wrapper(original) -> wrapper`` for ``module.qualname`` (``Class.method``)."""
+def patch(
+    module: str, qualname: str, cpu_only: bool = False
+) -> Callable[[Callable[[Callable], Callable]], Callable]:
+    """Register ``make_wrapper(original) -> wrapper`` for ``module.qualname`` (``Class.method``).
+
+    ``cpu_only`` patches are installed on the CPU platform only (they wrap CPU kernels).
+    """
 
     def deco(make_wrapper: Callable[[Callable], Callable]) -> Callable:
-        _REGISTRY.append((module, qualname, make_wrapper))
+        _REGISTRY.append((module, qualname, make_wrapper, cpu_only))
         return make_wrapper
 
     return deco
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def _install(module: str, qualname: str, make_wrapper: Callable[[Callable], Callable]) -> bool:
@@ -110,7 +124,8 @@ def apply_patches() -> int:
             symbol is missing.
     """
     check_vllm_version()
-    return sum(_install(m, q, w) for m, q, w in _REGISTRY)
+    cpu = _on_cpu()
+    return sum(_install(m, q, w) for m, q, w, cpu_only in _REGISTRY if cpu or not cpu_only)
 
 
 def apply_version_guard() -> bool:
@@ -139,25 +154,38 @@ def apply_version_guard() -> bool:
 
 
 def check_target_supported(target_model_config: Any) -> None:
-    """The hybrid guard and other target checks, at start-up.
+    """Target checks at start-up (the recurrent-layer guard runs on the loaded model, see
+    :func:`vllm_ddtree.hybrid.guard.check_recurrent_layers`).
 
     Raises:
-        DDTreeConfigError: the target has recurrent (Mamba / linear-attention) layers, which an
-            attention mask cannot separate into tree branches (hybrid support is a separate
-            stage), or uses M-RoPE (tree positions are 1-D).
+        DDTreeConfigError: the target uses M-RoPE (tree positions are 1-D).
     """
-    if getattr(target_model_config, "is_hybrid", False):
-        archs = getattr(target_model_config, "architectures", None)
-        raise DDTreeConfigError(
-            f"speculative method 'ddtree' cannot verify draft trees on the hybrid target "
-            f"{archs}: its recurrent layers (Mamba2 / GatedDeltaNet) are not yet run as a "
-            "sequential tree oracle, and a recurrent layer must never run a tree it cannot run "
-            "exactly. Use method 'dflash' (chain) for this model."
-        )
     if getattr(target_model_config, "uses_mrope", False):
         raise DDTreeConfigError(
             "speculative method 'ddtree' does not support M-RoPE targets (tree positions are 1-D)"
         )
+
+
+def check_hybrid_prefix_caching(engine_args: Any, target_model_config: Any) -> None:
+    """Hybrid targets: prefix caching off unless it is known to keep the accepted path's state.
+
+    On CPU, vLLM's hybrid prefix-caching path with speculative decoding needs a Triton kernel
+    the CPU lacks (it dies deep in the engine), and its cached recurrent state would be a
+    chain slot, not the accepted path's; so it is switched off when unset and refused when
+    asked for.
+
+    Raises:
+        DDTreeConfigError: ``enable_prefix_caching=True`` on a hybrid target.
+    """
+    if not getattr(target_model_config, "is_hybrid", False):
+        return
+    if getattr(engine_args, "enable_prefix_caching", None):
+        raise DDTreeConfigError(
+            "enable_prefix_caching=True is not supported with speculative method 'ddtree' on "
+            f"the hybrid target {getattr(target_model_config, 'architectures', None)} (the "
+            "cached recurrent state must be the accepted path's); leave it unset or False"
+        )
+    engine_args.enable_prefix_caching = False
 
 
 @patch("vllm.engine.arg_utils", "EngineArgs.create_speculative_config")
@@ -186,6 +214,7 @@ def _create_speculative_config(original: Callable) -> Callable:
             max_num_batched_tokens=getattr(self, "max_num_batched_tokens", None),
         )
         check_target_supported(target_model_config)
+        check_hybrid_prefix_caching(self, target_model_config)
         if self.async_scheduling:
             raise DDTreeConfigError(
                 "async_scheduling=True is not supported with speculative method 'ddtree' "
@@ -255,6 +284,9 @@ def _runner_init(original: Callable) -> Callable:
     def __init__(self, vllm_config, device, *args, **kwargs):
         self._ddtree = get_ddtree_config(vllm_config)
         self._ddtree_step = None
+        self._ddtree_hybrid = self._ddtree is not None and bool(
+            getattr(vllm_config.model_config, "is_hybrid", False))
+        self._ddtree_hybrid_ctx = None
         if self._ddtree is None:
             return original(self, vllm_config, device, *args, **kwargs)
         runner_module = importlib.import_module(_RUNNER)
@@ -298,6 +330,7 @@ def _prepare_inputs(original: Callable) -> Callable:
             return result
         from vllm_ddtree.step import plan_tree_step
 
+        self._ddtree_hybrid_done = False  # this step's target forward is still to come
         num_reqs = self.input_batch.num_reqs
         req_ids = self.input_batch.req_ids[:num_reqs]
         trees = self.drafter.trees
@@ -322,19 +355,34 @@ def _prepare_inputs(original: Callable) -> Callable:
 def _model_forward(original: Callable) -> Callable:
     def _model_forward(self, *args, **kwargs):
         step = getattr(self, "_ddtree_step", None)
-        if step is None or getattr(step, "forwarded", False):
+        if step is not None and getattr(step, "forwarded", False):
+            step = None  # a second forward of the step is the drafter's, not the target's
+        hybrid = getattr(self, "_ddtree_hybrid", False) and not getattr(
+            self, "_ddtree_hybrid_done", False)
+        if step is None and not hybrid:
             return original(self, *args, **kwargs)
         from vllm.forward_context import get_forward_context
 
         from vllm_ddtree.attention.common import tree_attention_active
+        from vllm_ddtree.hybrid.context import HybridTreeContext, hybrid_tree_active
 
+        ctx = None
+        if hybrid:  # every target forward: vLLM's speculative recurrent path is replaced
+            parents = {r.batch_index: r.tree.parents for r in (step.requests if step else [])
+                       if r.is_tree}
+            ctx = self._ddtree_hybrid_ctx = HybridTreeContext(parents)
+            self._ddtree_hybrid_done = True
+        if step is None:
+            with hybrid_tree_active(ctx):
+                return original(self, *args, **kwargs)
         rows = step.position_rows
         moved = rows.numel() > 0
         if moved:  # in place: the model (and a captured graph) reads this buffer
             self.positions[rows] = step.tree_positions
         step.slot_mappings = get_forward_context().slot_mapping
         try:
-            with tree_attention_active(step.attn_batch if step.attn_batch.requests else None):
+            with tree_attention_active(step.attn_batch if step.attn_batch.requests else None), \
+                    hybrid_tree_active(ctx):
                 out = original(self, *args, **kwargs)
         finally:
             if moved:
@@ -356,7 +404,7 @@ def _sample(original: Callable) -> Callable:
             return original(self, logits, spec_decode_metadata, *args, **kwargs)
         from vllm.v1.outputs import SamplerOutput
 
-        from vllm_ddtree.commit import compact_kv, gather_accepted_rows
+        from vllm_ddtree.commit import compact_kv, gather_accepted_rows, relayout_recurrent
         from vllm_ddtree.verify import notify_observer, verify_tree_step
 
         # Steps without any draft (e.g. all requests prefilling) also sample here, so every
@@ -377,6 +425,9 @@ def _sample(original: Callable) -> Callable:
             compact_kv(step.attn_batch, step.requests, step.slot_mappings)
         if step.aux_hidden_states is not None:
             gather_accepted_rows(step.aux_hidden_states, step.requests)
+        hybrid_ctx, self._ddtree_hybrid_ctx = getattr(self, "_ddtree_hybrid_ctx", None), None
+        if hybrid_ctx is not None:
+            relayout_recurrent(hybrid_ctx, step.requests)
         notify_observer(step, logits, spec_decode_metadata.num_draft_tokens)
         committed = self.optimistic_seq_lens_cpu[: self.input_batch.num_reqs].clone()
         for r in step.requests:
@@ -385,3 +436,68 @@ def _sample(original: Callable) -> Callable:
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
 
     return _sample
+
+
+# --------------------------------------------------------------------------- hybrid targets
+
+
+@patch("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", "_spec_forward", cpu_only=True)
+def _gdn_spec_forward(original: Callable) -> Callable:
+    def _spec_forward(layer, attn_metadata_i, mixed_qkv_spec, b_spec, a_spec, conv_buf,
+                      ssm_state, width, state_len):
+        from vllm_ddtree.hybrid.context import active_hybrid_context
+
+        ctx = active_hybrid_context()
+        if ctx is None:
+            return original(layer, attn_metadata_i, mixed_qkv_spec, b_spec, a_spec, conv_buf,
+                            ssm_state, width, state_len)
+        from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+        from vllm_ddtree.hybrid.gdn_cpu import tree_spec_forward
+
+        return tree_spec_forward(ctx, layer, attn_metadata_i, mixed_qkv_spec, b_spec, a_spec,
+                                 conv_buf, ssm_state, width,
+                                 gdn_attention._unpacked_conv_weight(layer))
+
+    return _spec_forward
+
+
+@contextlib.contextmanager
+def _target_only_conv_choice() -> Iterator[None]:
+    """Make vLLM's speculative-aware CPU GDN prefill pick the conv kernel target-only picks.
+
+    vLLM's non-speculative CPU GDN path runs the C++ causal conv wherever the CPU has BF16 dot
+    products (``_cpu_gdn_attention_nonspec``: ``use_cpp_conv``); its speculative-aware path asks
+    for AMX tiles instead (``_spec_aware_nonspec*``: ``can_use_native_conv``) and otherwise falls
+    back to a torch conv whose bf16 rounding differs, so a DDTree prefill would not match
+    target-only decoding bit for bit. Both paths call the same C++ kernel, which handles the
+    wide speculative conv buffer (it is what AMX machines run); only the predicate is aligned.
+    """
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+    if not (torch.cpu._is_avx512_bf16_supported() or gdn_attention.is_arm_bf16()):
+        yield
+        return
+    original = torch.cpu._is_amx_tile_supported
+    torch.cpu._is_amx_tile_supported = lambda: True
+    try:
+        yield
+    finally:
+        torch.cpu._is_amx_tile_supported = original
+
+
+def _gdn_prefill(original: Callable) -> Callable:
+    def wrapper(*args, **kwargs):
+        from vllm_ddtree.hybrid.context import active_hybrid_context
+
+        if active_hybrid_context() is None:
+            return original(*args, **kwargs)
+        with _target_only_conv_choice():
+            return original(*args, **kwargs)
+
+    return wrapper
+
+
+for _name in ("_spec_aware_nonspec", "_spec_aware_nonspec_subset"):
+    patch("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", _name, cpu_only=True)(
+        _gdn_prefill)

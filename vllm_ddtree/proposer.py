@@ -91,6 +91,25 @@ class DDTreeProposer(DFlashProposer):
             os.getpid(), ddtree.budget, ddtree.drafter_horizon,
         )
 
+    def load_model(self, target_model: Any) -> None:
+        """vLLM's DFlash drafter load, then the hybrid guard on the loaded target.
+
+        Raises:
+            DDTreeConfigError: a recurrent layer the tree oracle cannot run exactly
+                (:func:`vllm_ddtree.hybrid.guard.check_recurrent_layers`).
+        """
+        from vllm.platforms import current_platform
+
+        from vllm_ddtree.hybrid.guard import check_recurrent_layers
+
+        kinds = check_recurrent_layers(target_model, self.ddtree.hybrid,
+                                       on_cpu=current_platform.is_cpu())
+        if kinds:
+            logger.info("DDTree: recurrent layers %s verify trees through the %s", kinds,
+                        "top-1 chain (shadow_linear)" if self.ddtree.hybrid == "shadow_linear"
+                        else "sequential tree oracle")
+        super().load_model(target_model)
+
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any):
         """Keep the drafter logits ``[R * L, V]``; return DFlash's per-position argmax."""
         logits = self.model.compute_logits(hidden_states)

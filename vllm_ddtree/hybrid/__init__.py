@@ -1,0 +1,1 @@
+"""Hybrid targets: recurrent layers (GatedDeltaNet, Mamba2) verify draft trees exactly."""

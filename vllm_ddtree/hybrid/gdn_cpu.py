@@ -1,0 +1,158 @@
+"""GatedDeltaNet (Qwen3-Next, Qwen3.5) speculative rows through the tree oracle, on CPU vLLM.
+
+Replaces the body of vLLM's ``_spec_forward`` (``vllm/model_executor/layers/mamba/ops/cpu/
+gdn_attention.py``) while a DDTree hybrid step is active: the conv runs over each node's
+ancestor window, and the recurrence runs one depth level at a time through vLLM's own one-token
+decode kernel (``ops.fused_sigmoid_gating_delta_rule_update_cpu``, the kernel target-only
+decoding uses), each node starting from its parent's state. Prefill rows stay vLLM's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_ddtree.hybrid.context import HybridTreeContext, RecurrentRecord
+from vllm_ddtree.hybrid.oracle import (
+    build_recurrent_layout,
+    conv_window_index,
+    gather_conv_windows,
+    read_conv_windows,
+    run_tree_levels,
+    write_conv_buffer,
+)
+
+
+def spec_batch_rows(spec_sequence_masks: torch.Tensor | None, num_spec: int) -> list[int]:
+    """Input-batch rows of the speculative sequences, in the order vLLM packs them."""
+    if spec_sequence_masks is None:
+        return list(range(num_spec))
+    return torch.nonzero(spec_sequence_masks.cpu()).flatten()[:num_spec].tolist()
+
+
+def layout_for(ctx: HybridTreeContext, key: Any, seq_lens, batch_rows, state_indices,
+               num_accepted, width: int):
+    """The step's layout and conv window index for one metadata object (memoised per step)."""
+    hit = ctx.cache.get(key)
+    if hit is None:
+        layout = build_recurrent_layout(seq_lens, batch_rows, state_indices, num_accepted,
+                                        ctx.tree_parents)
+        hit = ctx.cache[key] = (layout, {}, key)
+    layout, windows, _ = hit
+    if width not in windows:
+        windows[width] = conv_window_index(layout, width)
+    return layout, windows[width]
+
+
+def decode_conv(layer: Any, x: torch.Tensor, windows: torch.Tensor,
+                unpacked_conv_weight: torch.Tensor) -> torch.Tensor:
+    """Each token's conv output through the kernel target-only decoding uses for it.
+
+    Mirrors the decode branch of ``_cpu_gdn_attention_nonspec`` (vLLM's non-speculative CPU GDN
+    path): the C++ ``causal_conv1d_update_cpu`` on packed weights where the CPU has BF16 dot
+    products, else vLLM's torch update; each token gets a scratch conv state holding its
+    ancestor window, so the arithmetic is the same as one plain decode step.
+
+    Args:
+        x: ``[T, dim]`` bf16; windows: ``[T, dim, W - 1]`` (from ``gather_conv_windows``);
+        unpacked_conv_weight: ``[dim, W]``.
+
+    Returns:
+        ``[T, dim]`` conv outputs (SiLU applied when the layer's activation is SiLU).
+    """
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as G
+    from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_update_cpu
+
+    T, dim, m = windows.shape
+    if T == 0:
+        return x.clone()
+    indices = torch.arange(T, dtype=torch.int32, device=x.device)
+    x = x.contiguous()
+    if torch.cpu._is_avx512_bf16_supported() or G.is_arm_bf16():
+        if is_conv_state_dim_first():
+            scratch = torch.empty(T, dim, m, dtype=windows.dtype, device=x.device)
+        else:  # the SD cache (slots, W - 1, dim) as the (slots, dim, W - 1) view vLLM passes
+            scratch = torch.empty(T, m, dim, dtype=windows.dtype, device=x.device).transpose(1, 2)
+        scratch.copy_(windows)
+        return G._causal_conv1d_update_cpu(
+            x=x, conv_states=scratch, weight=layer.conv1d.weight, bias=layer.conv1d.bias,
+            silu_activation=(layer.activation == "silu"), conv_state_indices=indices,
+            is_weight_packed=True,
+        )
+    scratch = windows.contiguous()
+    return causal_conv1d_update_cpu(
+        x=x, conv_state=scratch, weight=unpacked_conv_weight, bias=layer.conv1d.bias,
+        activation=layer.activation, conv_state_indices=indices,
+    )
+
+
+def tree_spec_forward(
+    ctx: HybridTreeContext,
+    layer: Any,
+    attn_metadata_i: Any,
+    mixed_qkv_spec: torch.Tensor,
+    b_spec: torch.Tensor,
+    a_spec: torch.Tensor,
+    conv_buf: torch.Tensor,
+    ssm_state: torch.Tensor,
+    width: int,
+    unpacked_conv_weight: torch.Tensor,
+) -> torch.Tensor:
+    """GDN core output of the speculative rows, every node from its parent's state.
+
+    Args:
+        layer: vLLM's GDN layer (``A_log``, ``dt_bias``, ``conv1d``, ``activation``,
+            ``rearrange_mixed_qkv``).
+        attn_metadata_i: the layer's ``GDNAttentionMetadata``.
+        mixed_qkv_spec: ``[T, dim]`` bf16 pre-conv q/k/v of the speculative rows (spec order).
+        b_spec, a_spec: ``[T, H_v]`` gate inputs.
+        conv_buf: ``[slots, dim, W - 1 + K]`` conv cache view; ssm_state: ``[slots, H_v, K, V]``.
+        unpacked_conv_weight: ``[dim, W]`` plain conv weight.
+
+    Returns:
+        ``[T, H_v, V]`` core attention output in spec order (what ``_spec_forward`` returns).
+    """
+    n_spec = attn_metadata_i.num_spec_decodes
+    qsl = attn_metadata_i.spec_query_start_loc[: n_spec + 1].cpu()
+    seq_lens = (qsl[1:] - qsl[:-1]).tolist()
+    rows = spec_batch_rows(attn_metadata_i.spec_sequence_masks, n_spec)
+    layout, index = layout_for(
+        ctx, ("gdn", id(attn_metadata_i)), seq_lens, rows,
+        attn_metadata_i.spec_state_indices_tensor[:n_spec],
+        attn_metadata_i.num_accepted_tokens[:n_spec], width)
+
+    prior = read_conv_windows(conv_buf, layout, width)
+    windows = gather_conv_windows(mixed_qkv_spec, prior, index)
+    conv_out = decode_conv(layer, mixed_qkv_spec, windows, unpacked_conv_weight)
+    write_conv_buffer(conv_buf, layout, prior, mixed_qkv_spec)
+
+    import vllm._custom_ops as ops
+
+    query, key, value = layer.rearrange_mixed_qkv(conv_out)  # each [1, T, heads, dim]
+    T = mixed_qkv_spec.shape[0]
+    out = torch.empty(T, value.shape[-2], value.shape[-1], dtype=mixed_qkv_spec.dtype,
+                      device=mixed_qkv_spec.device)
+
+    def step(level: torch.Tensor, dst: torch.Tensor) -> None:
+        lv = level.to(query.device)
+        n = lv.numel()
+        o = ops.fused_sigmoid_gating_delta_rule_update_cpu(
+            A_log=layer.A_log,
+            dt_bias=layer.dt_bias,
+            q=query[:, lv].contiguous(),
+            k=key[:, lv].contiguous(),
+            v=value[:, lv].contiguous(),
+            a=a_spec[lv].contiguous(),
+            b=b_spec[lv].contiguous(),
+            initial_state_source=ssm_state,
+            initial_state_indices=dst.to(torch.int32),
+            cu_seqlens=torch.arange(n + 1, dtype=torch.int32),
+            use_qk_l2norm_in_kernel=True,
+        )
+        out[lv] = o.reshape(n, out.shape[1], out.shape[2]).to(out.dtype)
+
+    run_tree_levels(layout, ssm_state, step)
+    ctx.records.append(RecurrentRecord(conv_buf, ssm_state, layout, width))
+    return out
