@@ -132,6 +132,8 @@ def relayout_recurrent(ctx: Any, requests: Sequence[Any]) -> None:
             path = accepted.get(b)
             if not path or not lay.is_tree[n]:
                 continue
-            relayout_conv_buffer(rec.conv_buf[int(lay.conv_slots[n])], path, rec.width)
-            s, q = lay.seq_starts[n], lay.seq_lens[n]
-            relayout_recurrent_state(rec.states, lay.dst_slots[s : s + q].tolist(), path)
+            if rec.conv_buf is not None:
+                relayout_conv_buffer(rec.conv_buf[int(lay.conv_slots[n])], path, rec.width)
+            if rec.states is not None:
+                s, q = lay.seq_starts[n], lay.seq_lens[n]
+                relayout_recurrent_state(rec.states, lay.dst_slots[s : s + q].tolist(), path)

@@ -501,3 +501,43 @@ def _gdn_prefill(original: Callable) -> Callable:
 for _name in ("_spec_aware_nonspec", "_spec_aware_nonspec_subset"):
     patch("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", _name, cpu_only=True)(
         _gdn_prefill)
+
+
+_MIXER2 = "vllm.model_executor.layers.mamba.mamba_mixer2"
+
+
+@patch(_MIXER2, "causal_conv1d_update", cpu_only=True)
+def _mamba2_conv_update(original: Callable) -> Callable:
+    def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, *args, **kwargs):
+        from vllm_ddtree.hybrid.context import active_hybrid_context
+        from vllm_ddtree.hybrid.mamba2_cpu import is_speculative_call, tree_conv_update
+
+        ctx = active_hybrid_context()
+        indices = kwargs.get("conv_state_indices")
+        if ctx is None or args or not is_speculative_call(indices):
+            return original(x, conv_state, weight, bias, activation, *args, **kwargs)
+        return tree_conv_update(ctx, original, x, conv_state, weight, bias, activation, indices,
+                                kwargs["num_accepted_tokens"], kwargs["query_start_loc"])
+
+    return causal_conv1d_update
+
+
+@patch(_MIXER2, "selective_state_update", cpu_only=True)
+def _mamba2_state_update(original: Callable) -> Callable:
+    def selective_state_update(state, x, dt, A, B, C, D=None, dt_bias=None, *args, **kwargs):
+        from vllm_ddtree.hybrid.context import active_hybrid_context
+        from vllm_ddtree.hybrid.mamba2_cpu import is_speculative_call, tree_state_update
+
+        ctx = active_hybrid_context()
+        indices = kwargs.get("state_batch_indices")
+        if ctx is None or args or not is_speculative_call(indices) or kwargs.get("z") is not None:
+            return original(state, x, dt, A, B, C, D, dt_bias, *args, **kwargs)
+        kw = dict(kwargs)
+        for k in ("state_batch_indices", "dst_state_batch_indices", "out", "num_accepted_tokens",
+                  "cu_seqlens", "dt_softplus", "z"):
+            kw.pop(k, None)
+        return tree_state_update(ctx, original, state, x, dt, A, B, C, D, dt_bias,
+                                 kwargs.get("dt_softplus", False), indices, kwargs["out"],
+                                 kwargs["num_accepted_tokens"], kwargs["cu_seqlens"], **kw)
+
+    return selective_state_update

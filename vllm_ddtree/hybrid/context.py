@@ -23,14 +23,15 @@ class RecurrentRecord:
     """What one recurrent layer wrote this step, for the re-layout after verification.
 
     Attributes:
-        conv_buf: ``[slots, dim, W - 1 + K]`` the layer's conv cache (a view).
-        states: ``[slots, ...]`` the layer's recurrent-state cache (a view).
+        conv_buf: ``[slots, dim, W - 1 + K]`` the layer's conv cache (a view), or ``None``
+            when this record is only the recurrent state (Mamba2 runs conv and SSM apart).
+        states: ``[slots, ...]`` the layer's recurrent-state cache (a view), or ``None``.
         layout: the speculative rows' trees and slots.
         width: conv kernel width W.
     """
 
-    conv_buf: torch.Tensor
-    states: torch.Tensor
+    conv_buf: torch.Tensor | None
+    states: torch.Tensor | None
     layout: RecurrentTreeLayout
     width: int
 

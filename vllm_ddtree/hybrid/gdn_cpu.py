@@ -68,20 +68,21 @@ def decode_conv(layer: Any, x: torch.Tensor, windows: torch.Tensor,
     T, dim, m = windows.shape
     if T == 0:
         return x.clone()
-    indices = torch.arange(T, dtype=torch.int32, device=x.device)
+    # Row 0 of the scratch state stays unused: slot 0 is vLLM's null block (skipped).
+    indices = torch.arange(1, T + 1, dtype=torch.int32, device=x.device)
     x = x.contiguous()
     if torch.cpu._is_avx512_bf16_supported() or G.is_arm_bf16():
         if is_conv_state_dim_first():
-            scratch = torch.empty(T, dim, m, dtype=windows.dtype, device=x.device)
+            scratch = torch.zeros(T + 1, dim, m, dtype=windows.dtype, device=x.device)
         else:  # the SD cache (slots, W - 1, dim) as the (slots, dim, W - 1) view vLLM passes
-            scratch = torch.empty(T, m, dim, dtype=windows.dtype, device=x.device).transpose(1, 2)
-        scratch.copy_(windows)
+            scratch = torch.zeros(T + 1, m, dim, dtype=windows.dtype, device=x.device).transpose(1, 2)
+        scratch[1:] = windows
         return G._causal_conv1d_update_cpu(
             x=x, conv_states=scratch, weight=layer.conv1d.weight, bias=layer.conv1d.bias,
             silu_activation=(layer.activation == "silu"), conv_state_indices=indices,
             is_weight_packed=True,
         )
-    scratch = windows.contiguous()
+    scratch = torch.cat([torch.zeros_like(windows[:1]), windows]).contiguous()
     return causal_conv1d_update_cpu(
         x=x, conv_state=scratch, weight=unpacked_conv_weight, bias=layer.conv1d.bias,
         activation=layer.activation, conv_state_indices=indices,

@@ -69,7 +69,8 @@ CPU_TEST_ENV: dict[str, str] = {
     "DO_NOT_TRACK": "1",
 }
 
-_HYBRID_ARCHITECTURES = frozenset({"Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM"})
+_HYBRID_ARCHITECTURES = frozenset(
+    {"Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM"})
 _DTYPES = ("float32", "bfloat16", "float16")
 
 

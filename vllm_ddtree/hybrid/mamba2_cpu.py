@@ -1,0 +1,145 @@
+"""Mamba2 (Nemotron-H, Granite-4 / GraniteMoeHybrid) speculative rows through the tree oracle.
+
+vLLM's Mamba2 mixer (``vllm/model_executor/layers/mamba/mamba_mixer2.py``) runs its decode rows
+through two module-level ops, ``causal_conv1d_update`` and ``selective_state_update``. While a
+DDTree hybrid step is active, their speculative calls (2-D ``state_indices``, one row of
+``K + 1`` slots per request) are replaced here: each node's conv window is gathered along its
+ancestor path, and its SSM state is advanced from its parent's, one depth level at a time, by
+the same one-token calls target-only decoding makes (narrow conv state, one slot per row).
+
+On CPU vLLM 0.32 both ops are wrong in speculative mode even for a chain (the conv ignores
+``num_accepted_tokens`` and reads a wider state as extra taps; the SSM ignores
+``num_accepted_tokens``), so vLLM's own Mamba2 speculative decoding changes greedy output from
+the second token; the oracle never calls them that way. Prefill rows stay vLLM's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from vllm_ddtree.hybrid.context import HybridTreeContext, RecurrentRecord
+from vllm_ddtree.hybrid.oracle import (
+    RecurrentTreeLayout,
+    build_recurrent_layout,
+    conv_window_index,
+    gather_conv_windows,
+    read_conv_windows,
+    run_tree_levels,
+    write_conv_buffer,
+)
+
+
+def is_speculative_call(state_indices: torch.Tensor | None) -> bool:
+    """vLLM passes ``[N, K + 1]`` state indices for speculative rows, 1-D or ``[N, 1]`` else."""
+    return state_indices is not None and state_indices.dim() == 2 and state_indices.shape[1] > 1
+
+
+def _layout(ctx: HybridTreeContext, state_indices: torch.Tensor, num_accepted: torch.Tensor,
+            query_start_loc: torch.Tensor, width: int | None) -> tuple[RecurrentTreeLayout, Any]:
+    """The step's layout for this metadata (decode rows are the first ``N`` batch rows)."""
+    key = ("mamba2", state_indices.data_ptr(), tuple(state_indices.shape),
+           num_accepted.data_ptr(), query_start_loc.data_ptr())
+    hit = ctx.cache.get(key)
+    if hit is None:
+        n = state_indices.shape[0]
+        qsl = query_start_loc[: n + 1].cpu()
+        lens = (qsl[1:] - qsl[:-1]).tolist()
+        layout = build_recurrent_layout(lens, list(range(n)), state_indices, num_accepted[:n],
+                                        ctx.tree_parents)
+        hit = ctx.cache[key] = (layout, {}, (state_indices, num_accepted, query_start_loc))
+    layout, windows, _ = hit
+    if width is not None and width not in windows:
+        windows[width] = conv_window_index(layout, width)
+    return layout, (windows.get(width) if width is not None else None)
+
+
+def tree_conv_update(
+    ctx: HybridTreeContext,
+    original: Callable,
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: Any,
+    conv_state_indices: torch.Tensor,
+    num_accepted_tokens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> torch.Tensor:
+    """The speculative conv of a Mamba2 mixer, each node over its ancestor window.
+
+    Args:
+        original: vLLM's ``causal_conv1d_update`` (called the way target-only decoding calls
+            it: one token per row, a narrow ``W - 1`` scratch state holding the window).
+        x: ``[T, dim]`` pre-conv ``xBC`` of the decode rows; conv_state: ``[slots, dim,
+            W - 1 + K]`` view; weight: ``[dim, W]``; conv_state_indices: ``[N, K + 1]``;
+        num_accepted_tokens: ``[N]``; query_start_loc: ``[N + 1]``.
+
+    Returns:
+        ``[T, dim]`` conv outputs (activation applied).
+    """
+    width = weight.shape[-1]
+    layout, index = _layout(ctx, conv_state_indices, num_accepted_tokens, query_start_loc, width)
+    prior = read_conv_windows(conv_state, layout, width)
+    windows = gather_conv_windows(x, prior, index)
+    T, dim, m = windows.shape
+    # Same storage order as vLLM's cache (the mixer passes a transposed view of it). Row 0 is
+    # left unused: slot 0 is vLLM's null block, which the kernel skips.
+    scratch = torch.zeros(T + 1, dim, m, dtype=conv_state.dtype, device=x.device)
+    if conv_state.stride(-2) == 1:
+        scratch = torch.zeros(T + 1, m, dim, dtype=conv_state.dtype, device=x.device).transpose(1, 2)
+    scratch[1:] = windows
+    out = original(x.contiguous(), scratch, weight, bias, activation,
+                   conv_state_indices=torch.arange(1, T + 1, dtype=torch.int32, device=x.device))
+    write_conv_buffer(conv_state, layout, prior, x)
+    ctx.records.append(RecurrentRecord(conv_state, None, layout, width))
+    return out
+
+
+def tree_state_update(
+    ctx: HybridTreeContext,
+    original: Callable,
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    dt_softplus: bool,
+    state_batch_indices: torch.Tensor,
+    out: torch.Tensor,
+    num_accepted_tokens: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    **extra: Any,
+) -> torch.Tensor:
+    """The speculative SSM update of a Mamba2 mixer, every node from its parent's state.
+
+    Each depth level: parents' states are copied into the children's slots, then vLLM's
+    ``selective_state_update`` advances them one token in place (vLLM's CPU op writes the
+    source slot too, so it is never given a parent's or the committed slot).
+
+    Args:
+        state: ``[slots, H, P, N]``; x, dt: ``[T, H, P]``; A: ``[H, P, N]``; B, C:
+            ``[T, G, N]``; D, dt_bias: ``[H, P]``; state_batch_indices: ``[N_req, K + 1]``;
+        out: ``[T, H, P]`` written in place.
+
+    Returns:
+        ``out``.
+    """
+    layout, _ = _layout(ctx, state_batch_indices, num_accepted_tokens, cu_seqlens, None)
+
+    def step(level: torch.Tensor, dst: torch.Tensor) -> None:
+        lv = level.to(x.device)
+        slots = dst.to(torch.int32).view(-1, 1)
+        tmp = torch.empty_like(out[lv])
+        original(state, x[lv], dt[lv], A, B[lv], C[lv], D=D, dt_bias=dt_bias,
+                 dt_softplus=dt_softplus, state_batch_indices=slots,
+                 dst_state_batch_indices=slots, out=tmp, **extra)
+        out[lv] = tmp
+
+    run_tree_levels(layout, state, step)
+    ctx.records.append(RecurrentRecord(None, state, layout, 0))
+    return out
