@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--unseen-share", type=float, default=0.33, help="share of prompts from unseen code")
     p.add_argument("--eval-prompts", type=int, default=64)
-    p.add_argument("--steps", type=int, default=2500)
+    p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
     p.add_argument("--anchors", type=int, default=8, help="anchor blocks per sequence")
     p.add_argument("--lr", type=float, default=1.5e-3)
@@ -102,7 +102,7 @@ def tapped_features(model, ids: torch.Tensor, layer_ids: list[int]) -> torch.Ten
         lambda _m, _inp, out, i=i: taps.__setitem__(i, out[0] if isinstance(out, tuple) else out))
         for i in layer_ids]
     try:
-        model(input_ids=ids, use_cache=False)
+        model.model(input_ids=ids, use_cache=False)  # no lm_head needed
     finally:
         for h in hooks:
             h.remove()
@@ -121,7 +121,7 @@ def sample_prompts(streams: list[torch.Tensor], weights: list[float], num: int, 
     return {P: torch.stack(v) for P, v in groups.items() if v}
 
 
-def distill_set(model, tok, files_by_source, weights, num, lens, gen_tokens, layer_ids, gen, batch=64):
+def distill_set(model, tok, files_by_source, weights, num, lens, gen_tokens, layer_ids, gen, batch=192):
     """Greedy continuations and features: list of (P, ids [N, T], feats [N, T, n*H])."""
     streams = []
     for files in files_by_source:
@@ -137,7 +137,7 @@ def distill_set(model, tok, files_by_source, weights, num, lens, gen_tokens, lay
         for b in range(0, prompts.shape[0], batch):
             ids = greedy_continue(model, prompts[b: b + batch], gen_tokens)
             ids_l.append(ids)
-            feats_l.append(tapped_features(model, ids, layer_ids))
+            feats_l += [tapped_features(model, ids[c: c + 32], layer_ids) for c in range(0, ids.shape[0], 32)]
         sets.append((P, torch.cat(ids_l), torch.cat(feats_l)))
     return sets
 
