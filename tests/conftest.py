@@ -71,3 +71,12 @@ def qwen3_next_dflash_drafter(tiny_models) -> Path:
 def granite_hybrid_target(tiny_models) -> Path:
     """Random-weight GraniteMoeHybridForCausalLM (3 Mamba2 + 1 attention layers), fp32."""
     return tiny_models.get("granite_hybrid_target")
+
+
+@pytest.fixture(scope="session")
+def nemotron_h_pair(tiny_models) -> tuple[Path, Path]:
+    """Random-weight NemotronHForCausalLM (3 Mamba2, 1 attention, 2 MLP layers; fp32) and a
+    DFlash drafter for it (block_size 16)."""
+    from vllm_ddtree.testing.hybrid_models import nemotron_h_models
+
+    return nemotron_h_models(tiny_models.cache_root)

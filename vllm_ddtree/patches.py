@@ -468,10 +468,13 @@ def _target_only_conv_choice() -> Iterator[None]:
 
     vLLM's non-speculative CPU GDN path runs the C++ causal conv wherever the CPU has BF16 dot
     products (``_cpu_gdn_attention_nonspec``: ``use_cpp_conv``); its speculative-aware path asks
-    for AMX tiles instead (``_spec_aware_nonspec*``: ``can_use_native_conv``) and otherwise falls
+    for AMX tiles instead (``_spec_aware_nonspec``: ``can_use_native_conv``) and otherwise falls
     back to a torch conv whose bf16 rounding differs, so a DDTree prefill would not match
-    target-only decoding bit for bit. Both paths call the same C++ kernel, which handles the
-    wide speculative conv buffer (it is what AMX machines run); only the predicate is aligned.
+    target-only decoding bit for bit. Both call the same C++ kernel, which handles the wide
+    speculative conv buffer; only the predicate is aligned, and only for steps without
+    speculative rows: in a step that mixes prefills with speculative rows
+    (``_spec_aware_nonspec_subset``) the C++ path gives wrong prefill outputs here, so vLLM's
+    torch conv stays (equal up to bf16 rounding).
     """
     from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
 
@@ -498,9 +501,8 @@ def _gdn_prefill(original: Callable) -> Callable:
     return wrapper
 
 
-for _name in ("_spec_aware_nonspec", "_spec_aware_nonspec_subset"):
-    patch("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", _name, cpu_only=True)(
-        _gdn_prefill)
+patch("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", "_spec_aware_nonspec",
+      cpu_only=True)(_gdn_prefill)
 
 
 _MIXER2 = "vllm.model_executor.layers.mamba.mamba_mixer2"

@@ -1,0 +1,92 @@
+"""Hybrid targets end to end: DDTree greedy output equals target-only decoding.
+
+Qwen3-Next (GatedDeltaNet + attention, bf16 — vLLM's CPU GDN kernels need bf16) and Nemotron-H
+(Mamba2 + attention + MLP, fp32), batches of 8 prompts that finish at different steps, node
+budgets B ∈ {7, 8, 9, 16, 32}, drafts from the random drafter (nothing accepted: the recurrent
+state must survive every rejection) and injected drafts whose accepted paths leave the top-1
+spine (the state re-layout must follow the walk). In bf16 a token may differ only at a measured
+near-tie (the top-2 logit gap at the first difference is reported); none has been seen.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_ddtree.testing.injection import (
+    ReferenceDraftInjector,
+    injected_drafts,
+    recorded_verification,
+)
+from vllm_ddtree.testing.models import greedy_mismatches, make_llm, release_llm
+
+PROMPTS = [
+    "def main():\n",
+    "import os\nimport sys\n\n\ndef parse(argv):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n",
+    "for key, value in sorted(items.items()):\n",
+    "x = [1, 2, 3]\n",
+    "# Copyright\n",
+    "while True:\n    line = f.readline()\n",
+    "return self.",
+]
+MAX_TOKENS = [28, 17, 24, 9, 21, 13, 26, 6]  # requests finish at different steps
+ENGINE = dict(max_model_len=512, max_num_batched_tokens=256, max_num_seqs=8)
+#: bf16: the largest top-2 logit gap at which a differing token counts as a near-tie.
+BF16_NEAR_TIE = 0.02
+
+
+def _params():
+    from vllm import SamplingParams
+
+    return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2)
+            for m in MAX_TOKENS]
+
+
+def _sidesteps(depth: int, index: int) -> int:
+    # Every 5th output token is the drafter's second choice: accepted paths leave the spine.
+    return 1 if index % 5 == 2 else 0
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "nemotron_h"])
+def hybrid(request, tiny_models, nemotron_h_pair):
+    if request.param == "qwen3_next":
+        target, drafter = tiny_models.get("qwen3_next_target"), tiny_models.get(
+            "qwen3_next_dflash_drafter")
+        near_tie = BF16_NEAR_TIE
+    else:
+        (target, drafter), near_tie = nemotron_h_pair, 0.0
+    llm = make_llm(target, **ENGINE)
+    try:
+        ref = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    finally:
+        release_llm(llm)
+    refs = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in ref}
+    return dict(name=request.param, target=target, drafter=drafter, ref=ref, refs=refs,
+                near_tie=near_tie)
+
+
+# B <= 9 with a short horizon L = 4 so that the trees branch; B >= 16 with the drafter's full L.
+@pytest.mark.parametrize("budget, horizon", [(7, 4), (8, 4), (9, 4), (16, 15), (32, 15)])
+def test_hybrid_greedy_equals_target_only(hybrid, budget, horizon):
+    spec = {"method": "ddtree", "model": str(hybrid["drafter"]), "ddtree_budget": budget,
+            "num_speculative_tokens": horizon}
+    llm = make_llm(hybrid["target"], speculative_config=spec, **ENGINE)
+    try:
+        random_out = llm.generate(PROMPTS, _params(), use_tqdm=False)
+        injector = ReferenceDraftInjector(hybrid["refs"], _sidesteps)
+        with injected_drafts(injector), recorded_verification() as rec:
+            injected_out = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    finally:
+        release_llm(llm)
+    for label, out in (("random drafter", random_out), ("injected trees", injected_out)):
+        problems = greedy_mismatches(hybrid["ref"], out, near_tie=hybrid["near_tie"])
+        assert not problems, f"{hybrid['name']} B={budget} {label}: {problems}"
+        if hybrid["near_tie"] == 0.0:
+            assert [list(o.outputs[0].token_ids) for o in out] == [
+                list(o.outputs[0].token_ids) for o in hybrid["ref"]]
+    accepted = [r["accepted"] for r in rec.records]
+    assert injector.calls and accepted
+    assert max(len(a) - 1 for a in accepted) >= 3, "injected trees were not accepted deeply"
+    if budget > horizon:
+        off_spine = [a for a in accepted if any(n != j for j, n in enumerate(a))]
+        assert off_spine, "no accepted path left the spine: the state re-layout was not exercised"
