@@ -90,3 +90,35 @@ def test_hybrid_greedy_equals_target_only(hybrid, budget, horizon):
     if budget > horizon:
         off_spine = [a for a in accepted if any(n != j for j, n in enumerate(a))]
         assert off_spine, "no accepted path left the spine: the state re-layout was not exercised"
+
+
+def test_shadow_linear_verifies_the_chain_and_measures_the_tree(hybrid):
+    """``ddtree_hybrid="shadow_linear"``: only the top-1 chain reaches the target (exact on any
+    hybrid), while each step's tree is kept and its would-be acceptance measured against the
+    realised output. With drafts whose second choice is right every few tokens, the trees
+    must measurably beat the chain."""
+    if hybrid["name"] != "nemotron_h":
+        pytest.skip("one hybrid suffices for the mode; the oracle runs the chain the same way")
+    spec = {"method": "ddtree", "model": str(hybrid["drafter"]), "ddtree_budget": 16,
+            "num_speculative_tokens": 6, "ddtree_hybrid": "shadow_linear"}
+    llm = make_llm(hybrid["target"], speculative_config=spec, **ENGINE)
+    injector = ReferenceDraftInjector(hybrid["refs"], _sidesteps)
+    seen = []
+
+    def capture(proposer, *args):
+        seen.append(proposer)
+        return injector(proposer, *args)
+
+    try:
+        with injected_drafts(capture), recorded_verification() as rec:
+            out = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    finally:
+        release_llm(llm)
+    assert [list(o.outputs[0].token_ids) for o in out] == [
+        list(o.outputs[0].token_ids) for o in hybrid["ref"]]
+    accepted = [r["accepted"] for r in rec.records]
+    assert accepted and all(a == list(range(len(a))) for a in accepted), "a tree was verified"
+    shadow = seen[-1].shadow
+    assert shadow.steps > 20
+    assert shadow.tree_tau > shadow.chain_tau + 0.2, (shadow.tree_tau, shadow.chain_tau)
+    print(f"\nshadow_linear: chain τ={shadow.chain_tau:.2f}, trees τ={shadow.tree_tau:.2f}")

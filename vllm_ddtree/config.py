@@ -161,9 +161,8 @@ def translate_speculative_config(
             an int; ``num_speculative_tokens`` (L) < 1 or larger than the drafter's
             ``block_size - 1``; bad ``ddtree_max_children`` / ``ddtree_hybrid``; a drafter that is
             not a DFlash checkpoint; a budget that cannot be filled (``vocab_size``) or
-            scheduled (``max_num_batched_tokens``); ``ddtree_hybrid="shadow_linear"`` (not
-            available yet); ``num_speculative_tokens_per_batch_size`` (dynamic speculation
-            length does not apply to trees).
+            scheduled (``max_num_batched_tokens``); ``num_speculative_tokens_per_batch_size``
+            (dynamic speculation length does not apply to trees).
     """
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
     if spec.get("method") != "ddtree":
@@ -216,10 +215,6 @@ def translate_speculative_config(
         raise DDTreeConfigError(
             f"speculative_config['ddtree_hybrid'] must be one of {list(HYBRID_MODES)}, "
             f"got {hybrid!r}"
-        )
-    if hybrid == "shadow_linear":
-        raise DDTreeConfigError(
-            "speculative_config['ddtree_hybrid']='shadow_linear' is not available yet"
         )
     if spec.get("disable_padded_drafter_batch") is True:
         raise DDTreeConfigError(

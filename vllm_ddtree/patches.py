@@ -167,25 +167,38 @@ def check_target_supported(target_model_config: Any) -> None:
 
 
 def check_hybrid_prefix_caching(engine_args: Any, target_model_config: Any) -> None:
-    """Hybrid targets: prefix caching off unless it is known to keep the accepted path's state.
+    """Hybrid targets: prefix caching is switched off (with a warning naming the option).
 
-    On CPU, vLLM's hybrid prefix-caching path with speculative decoding needs a Triton kernel
-    the CPU lacks (it dies deep in the engine), and its cached recurrent state would be a
-    chain slot, not the accepted path's; so it is switched off when unset and refused when
-    asked for.
-
-    Raises:
-        DDTreeConfigError: ``enable_prefix_caching=True`` on a hybrid target.
+    With speculative decoding vLLM caches a hybrid request's recurrent state per block from a
+    chain slot (``mamba_cache_mode="align"``), not the accepted path's, and on CPU that path
+    needs a Triton kernel the CPU lacks (it dies deep in the engine). vLLM has already resolved
+    its default by the time this runs (``EngineArgs.create_engine_config``, before the cache
+    config is built), so an explicit ``True`` cannot be told from the default.
     """
     if not getattr(target_model_config, "is_hybrid", False):
         return
     if getattr(engine_args, "enable_prefix_caching", None):
-        raise DDTreeConfigError(
-            "enable_prefix_caching=True is not supported with speculative method 'ddtree' on "
-            f"the hybrid target {getattr(target_model_config, 'architectures', None)} (the "
-            "cached recurrent state must be the accepted path's); leave it unset or False"
-        )
+        logger.warning(
+            "DDTree: enable_prefix_caching is switched off for the hybrid target %s (the cached "
+            "recurrent state must be the accepted path's)",
+            getattr(target_model_config, "architectures", None))
     engine_args.enable_prefix_caching = False
+
+
+def _wants_ddtree(engine_args: Any) -> bool:
+    spec = engine_args.speculative_config
+    return getattr(engine_args, "spec_method", None) == "ddtree" or (
+        isinstance(spec, dict) and spec.get("method") == "ddtree")
+
+
+@patch("vllm.engine.arg_utils", "EngineArgs.create_engine_config")
+def _create_engine_config(original: Callable) -> Callable:
+    def create_engine_config(self, *args, **kwargs):
+        if _wants_ddtree(self) and self.enable_prefix_caching is not False:
+            check_hybrid_prefix_caching(self, self.create_model_config())
+        return original(self, *args, **kwargs)
+
+    return create_engine_config
 
 
 @patch("vllm.engine.arg_utils", "EngineArgs.create_speculative_config")
@@ -214,7 +227,6 @@ def _create_speculative_config(original: Callable) -> Callable:
             max_num_batched_tokens=getattr(self, "max_num_batched_tokens", None),
         )
         check_target_supported(target_model_config)
-        check_hybrid_prefix_caching(self, target_model_config)
         if self.async_scheduling:
             raise DDTreeConfigError(
                 "async_scheduling=True is not supported with speculative method 'ddtree' "

@@ -19,7 +19,7 @@ CPU_BACKEND = "vllm_ddtree.attention.cpu.DDTreeCPUAttentionBackend"
 
 
 def register() -> None:
-    """Check the vLLM version, register the tree-attention backend and apply the patches.
+    """Check the vLLM version, register the tree-attention backend and model classes, patch.
 
     On a vLLM version this plugin was not built for nothing is patched or registered; only a
     guard is installed so that ``"method": "ddtree"`` fails with an error naming both versions.
@@ -43,4 +43,8 @@ def register() -> None:
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
     patches.apply_patches()
+    # GraniteMoeHybrid with the EAGLE3 aux-hidden-state interface DFlash needs (vLLM's lacks it).
+    from vllm_ddtree.models import register_models
+
+    register_models()
     _registered = True

@@ -451,6 +451,25 @@ def follow_trees(
     return [_walk(t.child_maps, c) for t, c in zip(trees, per_tree)]
 
 
+def accepted_along(tree: DraftTree, continuation: Sequence[int]) -> int:
+    """How many draft nodes the walk accepts when the target emits ``continuation``.
+
+    ``continuation`` are the tokens the target actually produced after the tree's root (the
+    bonus token); the walk follows them down the tree until a token has no child. Used to
+    measure a tree's would-be acceptance length from realised output (``shadow_linear``).
+
+    Returns:
+        accepted drafts (τ - 1 for this step), ``0 .. min(len(continuation), depth)``.
+    """
+    node, accepted = 0, 0
+    for tok in continuation:
+        child = tree.child_maps[node].get(int(tok))
+        if child is None:
+            break
+        node, accepted = child, accepted + 1
+    return accepted
+
+
 def validate_draft_tree(tree: DraftTree, max_depth: int | None = None) -> None:
     """Check every structural invariant of a :class:`DraftTree`.
 

@@ -1,0 +1,70 @@
+"""The hybrid guard: a recurrent layer kind the tree oracle cannot run stops the engine at
+start-up with an error naming the layer type and the way out; ``shadow_linear`` runs it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_ddtree.config import DDTreeConfigError
+from vllm_ddtree.hybrid.guard import SUPPORTED_RECURRENT_LAYERS, check_recurrent_layers
+
+
+@pytest.fixture(scope="module")
+def layer_classes():
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+    from vllm.model_executor.layers.mamba.mamba_mixer import MambaMixer
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+
+    def bare(cls):
+        """An instance of a vLLM layer class without running its constructor."""
+        obj = cls.__new__(cls)
+        torch.nn.Module.__init__(obj)
+        return obj
+
+    return dict(MambaBase=MambaBase, gdn=QwenGatedDeltaNetAttention, mamba2=MambaMixer2,
+                mamba1=MambaMixer, bare=bare)
+
+
+def _model(*layers):
+    m = torch.nn.Module()
+    m.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), *layers])
+    return m
+
+
+def test_supported_kinds_pass(layer_classes):
+    c = layer_classes
+    assert check_recurrent_layers(_model(c["bare"](c["gdn"])), "oracle", on_cpu=True) == [
+        "GatedDeltaNet"]
+    assert check_recurrent_layers(_model(c["bare"](c["mamba2"])), "oracle", on_cpu=True) == [
+        "Mamba2"]
+    assert check_recurrent_layers(_model(), "oracle", on_cpu=True) == []
+
+
+def test_unknown_kind_is_refused_naming_the_type_and_the_way_out(layer_classes):
+    c = layer_classes
+    model = _model(c["bare"](c["mamba2"]), c["bare"](c["mamba1"]))
+    with pytest.raises(DDTreeConfigError, match=r"MambaMixer \(e\.g\. layers\.2\).*shadow_linear"):
+        check_recurrent_layers(model, "oracle", on_cpu=True)
+    # A subclass is another kind until proven: its forward may differ.
+    sub = type("MyGDNVariant", (c["gdn"],), {})
+    with pytest.raises(DDTreeConfigError, match="MyGDNVariant"):
+        check_recurrent_layers(_model(c["bare"](sub)), "oracle", on_cpu=True)
+    assert "MambaMixer" in check_recurrent_layers(model, "shadow_linear", on_cpu=True)
+
+
+def test_oracle_is_cpu_only_in_this_version(layer_classes):
+    c = layer_classes
+    with pytest.raises(DDTreeConfigError, match="CPU kernels only.*shadow_linear"):
+        check_recurrent_layers(_model(c["bare"](c["gdn"])), "oracle", on_cpu=False)
+    assert check_recurrent_layers(_model(c["bare"](c["gdn"])), "shadow_linear", on_cpu=False)
+
+
+def test_supported_table_names_real_vllm_classes(layer_classes):
+    import importlib
+
+    for qualified in SUPPORTED_RECURRENT_LAYERS:
+        module, name = qualified.split(":")
+        assert issubclass(getattr(importlib.import_module(module), name), layer_classes["MambaBase"])
