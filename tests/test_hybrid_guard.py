@@ -68,3 +68,41 @@ def test_supported_table_names_real_vllm_classes(layer_classes):
     for qualified in SUPPORTED_RECURRENT_LAYERS:
         module, name = qualified.split(":")
         assert issubclass(getattr(importlib.import_module(module), name), layer_classes["MambaBase"])
+
+
+def test_unknown_kind_stops_the_engine_and_shadow_linear_runs_it(tiny_models, tmp_path):
+    """End to end: a target whose recurrent layers are of an unknown class stops at start-up
+    with the documented message; with ``shadow_linear`` it runs and equals target-only."""
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+
+    from vllm_ddtree.testing.hybrid_models import (
+        UNKNOWN_RECURRENT_ARCH,
+        register_unknown_recurrent_model,
+        with_architecture,
+    )
+    from vllm_ddtree.testing.models import make_llm, release_llm
+
+    register_unknown_recurrent_model()
+    target = with_architecture(tiny_models.get("qwen3_next_target"), tmp_path / "unknown",
+                               UNKNOWN_RECURRENT_ARCH)
+    drafter = tiny_models.get("qwen3_next_dflash_drafter")
+    engine = dict(max_model_len=256, max_num_seqs=4, enable_prefix_caching=False)
+    prompts = ["def main():\n", "import os\n", "class A:\n", "x = 1\n"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": 8,
+            "num_speculative_tokens": 4}
+    with pytest.raises(Exception, match=r"TestOnlyRecurrentLayer.*shadow_linear"):
+        make_llm(target, speculative_config=spec, **engine)
+
+    llm = make_llm(target, **engine)
+    try:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        release_llm(llm)
+    llm = make_llm(target, speculative_config={**spec, "ddtree_hybrid": "shadow_linear"}, **engine)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        release_llm(llm)
+    assert got == want

@@ -5,6 +5,8 @@
   implements the EAGLE3 aux-hidden-state interface, so vLLM's own ``"dflash"`` method runs on it.
 * :func:`nemotron_h_models`: the target and a DFlash drafter for it, built once into a cache
   directory (same cache layout and shared tokenizer as :class:`~vllm_ddtree.testing.models.TinyModelZoo`).
+* :func:`register_unknown_recurrent_model` / :func:`with_architecture`: a test-only Qwen3-Next
+  whose recurrent layers are of a kind the hybrid guard does not know.
 
 Known vLLM 0.32 CPU behaviour: with any speculative method (ngram, dflash) the Nemotron-H greedy
 output differs from target-only decoding from the second generated token on, even when nothing is
@@ -153,3 +155,32 @@ def nemotron_h_models(
         **{"target_dir": str(target), "block_size": 16, **(drafter_kwargs or {})},
     )
     return target, drafter
+
+
+# ----------------------------------------------------------------------------- guard fixture
+
+#: Architecture name of the test-only model whose recurrent layers the guard does not know.
+UNKNOWN_RECURRENT_ARCH = "DDTreeTestUnknownRecurrentForCausalLM"
+
+
+def register_unknown_recurrent_model() -> None:
+    """Register (in this process) a TEST-ONLY Qwen3-Next whose GDN layers are of a class the
+    hybrid guard has never seen (a subclass with the same math), to exercise the guard end to end.
+    """
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model(
+        UNKNOWN_RECURRENT_ARCH, "vllm_ddtree.testing.unknown_recurrent:UnknownRecurrentForCausalLM")
+
+
+def with_architecture(model_dir: str | os.PathLike, out_dir: str | os.PathLike, arch: str) -> Path:
+    """A copy of ``model_dir`` (symlinked files) whose ``config.json`` names ``arch``."""
+    src, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["architectures"] = [arch]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
