@@ -122,3 +122,32 @@ def test_shadow_linear_verifies_the_chain_and_measures_the_tree(hybrid):
     assert shadow.steps > 20
     assert shadow.tree_tau > shadow.chain_tau + 0.2, (shadow.tree_tau, shadow.chain_tau)
     print(f"\nshadow_linear: chain τ={shadow.chain_tau:.2f}, trees τ={shadow.tree_tau:.2f}")
+
+
+def test_hybrid_preemption_and_recompute(nemotron_h_pair):
+    """A cache too small for the batch: vLLM preempts hybrid requests mid-tree-decoding and
+    recomputes their recurrent state from the prompt; output stays exact (Nemotron-H, fp32)."""
+    from vllm import SamplingParams
+
+    target, drafter = nemotron_h_pair
+    prompts = ["def main():\n", "import os\n", "class A:\n", "x = 1\n", "for i in range(3):\n",
+               "while x:\n"]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    small = dict(max_model_len=256, block_size=32, num_gpu_blocks_override=60, max_num_seqs=6)
+    llm = make_llm(target, **small)
+    try:
+        want_out = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        release_llm(llm)
+    refs = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in want_out}
+    spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": 8,
+            "num_speculative_tokens": 4}
+    llm = make_llm(target, speculative_config=spec, **small)
+    try:
+        with injected_drafts(ReferenceDraftInjector(refs, _sidesteps)):
+            got = llm.generate(prompts, params, use_tqdm=False)
+        preempted = [x.value for x in llm.get_metrics() if x.name == "vllm:num_preemptions"]
+    finally:
+        release_llm(llm)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want_out]
+    assert preempted and preempted[0] > 0, "the cache did not force preemption"
