@@ -21,9 +21,11 @@ Evaluation: the chain acceptance length ``τ = 1 + #leading correct argmax slots
 of prompts from the held-out modules — the quantity vLLM's ``dflash`` method reports.
 
     python examples/train/train_drafter.py --target models/pystdlib-qwen3 --out models/pystdlib-qwen3-dflash \
-        --steps 1500 --stop-at 600
+        --steps 1500 --stop-at 350
 
-(the shipped drafter is the first 600 steps of the 1500-step schedule: the machine was shared).
+(the shipped drafter is the first 350 steps of the 1500-step schedule: the machine was shared;
+its run switched from 2 to 1 torch thread at step ~210, so a rerun matches it only up to float
+rounding).
 
 The checkpoint is written by ``vllm_ddtree.testing.models.build_dflash_drafter`` (config, tokenizer,
 weight names and shapes) and its weights then replaced by the trained ones.
