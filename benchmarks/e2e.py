@@ -111,17 +111,9 @@ def wrap_steps(llm) -> list[float]:
     return times
 
 
-def spec_counts(llm):
-    drafts = accepted = 0
-    per_pos: list[int] = []
-    for m in llm.get_metrics():
-        if m.name == "vllm:spec_decode_num_drafts":
-            drafts = int(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens":
-            accepted = int(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            per_pos = [int(v) for v in m.values]
-    return drafts, accepted, per_pos
+# vLLM's spec-decode counters, read the same way as the main job does.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from generate import spec_counts  # noqa: E402
 
 
 def measure(llm, steps, stages, prompts, params, batch):
