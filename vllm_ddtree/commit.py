@@ -8,9 +8,10 @@ target attention layer (every attention KV-cache group). K was rotated at ``cont
 and ``depth(a_j) = j``, so no re-rotation is needed (reference ``compact_dynamic_cache``,
 DDTree paper §3.5 of our notes).
 
-The write goes through each layer's own backend writer (``impl.do_kv_cache_update``) with the
-node's K/V as recorded during the forward, so the code is independent of the cache layout
-(CPU ``LBHNC`` with ISA-specific packing, or the GPU backends' layouts).
+On CPU the write goes through each layer's own backend writer (``impl.do_kv_cache_update``)
+with the node's K/V as recorded during the forward (:func:`compact_kv`), so the code is
+independent of the ISA-specific packing of vLLM's CPU cache. On CUDA the slots are copied inside
+each layer's cache (:func:`compact_kv_in_cache`), which a captured CUDA graph cannot skip.
 
 The next DFlash pass reads the target's tapped hidden states of the committed tokens from the
 first rows of each request (vLLM's padded drafter batch, ``prepare_inputs_padded``), so the
@@ -85,6 +86,50 @@ def compact_kv(
             slots.index_select(0, dst_rows.to(slots.device)),
         )
     return len(moves)
+
+
+def compact_kv_in_cache(
+    layers: Mapping[str, tuple[Any, torch.Tensor]],
+    requests: Sequence[StepRequest],
+    slot_mappings: Mapping[str, torch.Tensor],
+) -> int:
+    """KV compaction inside each layer's cache: copy node ``a_j``'s slot onto row ``j``'s slot.
+
+    The CUDA path (:class:`vllm_ddtree.attention.cuda.DDTreeTritonAttentionImpl`): the tree's K/V
+    are already in the cache, and a captured CUDA graph records no K/V in Python, so the copy
+    reads the cache itself (one gather, then one scatter per layer: sources are read before any
+    destination is written).
+
+    Args:
+        layers: ``layer_name -> (impl, kv_cache)`` of the target's decoder self-attention layers
+            that own a cache (no KV-sharing layers: a second copy would read moved slots);
+            ``impl.copy_kv_slots(kv_cache, src_slots, dst_slots)`` does the copy.
+        requests: the step's requests with ``accepted`` filled in by verification.
+        slot_mappings: ``layer_name -> [num_tokens]`` int64 slot of every flat row.
+
+    Returns:
+        the number of node K/V slots moved per layer.
+
+    Raises:
+        KeyError: a layer has no slot mapping.
+    """
+    src_rows, dst_rows = [], []
+    for r in requests:
+        if not r.is_tree:
+            continue
+        for j, a in enumerate(r.accepted):
+            if a != j:
+                src_rows.append(r.root_row + a)
+                dst_rows.append(r.root_row + j)
+    if not src_rows:
+        return 0
+    for name, (impl, kv_cache) in layers.items():
+        slots = slot_mappings[name]
+        src = torch.tensor(src_rows, dtype=torch.long, device=slots.device)
+        dst = torch.tensor(dst_rows, dtype=torch.long, device=slots.device)
+        impl.copy_kv_slots(kv_cache, slots.index_select(0, src).long().to(kv_cache.device),
+                           slots.index_select(0, dst).long().to(kv_cache.device))
+    return len(src_rows)
 
 
 def gather_accepted_rows(tensors: Sequence[torch.Tensor], requests: Sequence[StepRequest]) -> None:

@@ -194,8 +194,15 @@ def _wants_ddtree(engine_args: Any) -> bool:
 @patch("vllm.engine.arg_utils", "EngineArgs.create_engine_config")
 def _create_engine_config(original: Callable) -> Callable:
     def create_engine_config(self, *args, **kwargs):
-        if _wants_ddtree(self) and self.enable_prefix_caching is not False:
-            check_hybrid_prefix_caching(self, self.create_model_config())
+        if _wants_ddtree(self):
+            from vllm_ddtree.attention.selection import (
+                check_tree_attention_backend,
+                current_platform_name,
+            )
+
+            check_tree_attention_backend(self, current_platform_name())
+            if self.enable_prefix_caching is not False:
+                check_hybrid_prefix_caching(self, self.create_model_config())
         return original(self, *args, **kwargs)
 
     return create_engine_config
@@ -312,6 +319,17 @@ def _runner_init(original: Callable) -> Callable:
             runner_module.DFlashProposer = saved
         if not isinstance(getattr(self, "drafter", None), DDTreeProposer):
             raise RuntimeError("DDTree: vLLM did not build the DFlash drafter for this engine")
+        self._ddtree_cache_layers = None
+        if torch.device(device).type == "cuda":  # static tree-mask buffers for CUDA graphs
+            from vllm_ddtree.attention.cuda import (
+                allocate_engine_tree_masks,
+                install_tree_mask_buffers,
+            )
+
+            sched = vllm_config.scheduler_config
+            install_tree_mask_buffers(allocate_engine_tree_masks(
+                sched.max_num_seqs, self._ddtree.budget, device,
+                max_tree_tokens=sched.max_num_batched_tokens))
 
     return __init__
 
@@ -392,6 +410,14 @@ def _model_forward(original: Callable) -> Callable:
         if moved:  # in place: the model (and a captured graph) reads this buffer
             self.positions[rows] = step.tree_positions
         step.slot_mappings = get_forward_context().slot_mapping
+        cuda = self.device.type == "cuda"
+        if cuda:  # in place, before the forward: a captured graph reads these buffers
+            from vllm_ddtree.attention.cuda import clear_tree_masks, publish_tree_masks
+
+            num_reqs = self.input_batch.num_reqs
+            publish_tree_masks(step.attn_batch.requests,
+                               self.query_start_loc.np[: num_reqs + 1].tolist(), num_reqs)
+            step.cache_layers = _target_cache_layers(self)
         try:
             with tree_attention_active(step.attn_batch if step.attn_batch.requests else None), \
                     hybrid_tree_active(ctx):
@@ -399,12 +425,38 @@ def _model_forward(original: Callable) -> Callable:
         finally:
             if moved:
                 self.positions[rows] = step.chain_positions
+            if cuda:
+                clear_tree_masks()
         if self.use_aux_hidden_state_outputs and isinstance(out, tuple):
             step.aux_hidden_states = out[1]
         step.forwarded = True
         return out
 
     return _model_forward
+
+
+def _target_cache_layers(self) -> dict:
+    """``name -> (impl, kv_cache)`` of the target's tree-attention layers that own a KV cache
+    (CUDA KV compaction); the drafter's layers and KV-sharing layers are left out."""
+    if self._ddtree_cache_layers is None:
+        from vllm.forward_context import get_forward_context
+
+        from vllm_ddtree.attention.cuda import DDTreeTritonAttentionImpl
+
+        drafter_layers = set(getattr(self.drafter, "_draft_attn_layer_names", ()) or ())
+        layers, seen = {}, set()
+        for name, layer in get_forward_context().no_compile_layers.items():
+            impl = getattr(layer, "impl", None)
+            if (name in drafter_layers or not isinstance(impl, DDTreeTritonAttentionImpl)
+                    or impl.attn_type != "decoder" or impl.kv_sharing_target_layer_name):
+                continue
+            kv_cache = layer.kv_cache
+            if kv_cache.data_ptr() in seen:
+                continue
+            seen.add(kv_cache.data_ptr())
+            layers[name] = (impl, kv_cache)
+        self._ddtree_cache_layers = layers
+    return self._ddtree_cache_layers
 
 
 @patch(_RUNNER, "GPUModelRunner._sample")
@@ -416,7 +468,12 @@ def _sample(original: Callable) -> Callable:
             return original(self, logits, spec_decode_metadata, *args, **kwargs)
         from vllm.v1.outputs import SamplerOutput
 
-        from vllm_ddtree.commit import compact_kv, gather_accepted_rows, relayout_recurrent
+        from vllm_ddtree.commit import (
+            compact_kv,
+            compact_kv_in_cache,
+            gather_accepted_rows,
+            relayout_recurrent,
+        )
         from vllm_ddtree.verify import notify_observer, verify_tree_step
 
         # Steps without any draft (e.g. all requests prefilling) also sample here, so every
@@ -435,6 +492,8 @@ def _sample(original: Callable) -> Callable:
             return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
         if step.attn_batch.recorded_kv:
             compact_kv(step.attn_batch, step.requests, step.slot_mappings)
+        elif step.cache_layers:
+            compact_kv_in_cache(step.cache_layers, step.requests, step.slot_mappings)
         if step.aux_hidden_states is not None:
             gather_accepted_rows(step.aux_hidden_states, step.requests)
         hybrid_ctx, self._ddtree_hybrid_ctx = getattr(self, "_ddtree_hybrid_ctx", None), None

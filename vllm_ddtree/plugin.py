@@ -16,6 +16,8 @@ _registered = False
 
 #: The CPU platform always selects CPU_ATTN; DDTree's backend overrides that member.
 CPU_BACKEND = "vllm_ddtree.attention.cpu.DDTreeCPUAttentionBackend"
+#: On CUDA, DDTree engines select TRITON_ATTN (vllm_ddtree.attention.selection); overridden here.
+CUDA_BACKEND = "vllm_ddtree.attention.cuda.DDTreeTritonAttentionBackend"
 
 
 def register() -> None:
@@ -40,8 +42,11 @@ def register() -> None:
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    # Both overrides behave exactly as vLLM's backend outside DDTree engines.
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
+    elif current_platform.is_cuda():
+        register_backend(AttentionBackendEnum.TRITON_ATTN, CUDA_BACKEND)
     patches.apply_patches()
     # GraniteMoeHybrid with the EAGLE3 aux-hidden-state interface DFlash needs (vLLM's lacks it).
     from vllm_ddtree.models import register_models

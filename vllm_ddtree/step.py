@@ -89,6 +89,8 @@ class TreeStep:
             requests whose tree is not a chain; a chain is causal attention, vLLM's own path).
         slot_mappings: per-layer slot mappings of the forward (captured for KV compaction).
         aux_hidden_states: the target's tapped hidden states of the forward (DFlash context).
+        cache_layers: CUDA only: ``layer_name -> (impl, kv_cache)`` of the target's tree-attention
+            layers, for KV compaction inside the caches.
     """
 
     requests: list[StepRequest]
@@ -98,6 +100,7 @@ class TreeStep:
     attn_batch: TreeAttentionBatch
     slot_mappings: Mapping[str, torch.Tensor] | None = None
     aux_hidden_states: Sequence[torch.Tensor] | None = None
+    cache_layers: Mapping[str, tuple] | None = None
 
 
 def _is_chain(tree: DraftTree) -> bool:
