@@ -475,3 +475,158 @@ def test_impl_rejects_tree_inconsistent_with_metadata(model_dtype):
     for batch, match in ((bad_ctx, "position"), (bad_rows, "inside")):
         with tree_attention_active(batch), pytest.raises(ValueError, match=match):
             ours.forward(layer, sc.query, sc.key, sc.value, sc.kv_cache, sc.metadata, output)
+
+
+# --------------------------------------------------------------------------- chain decomposition
+from vllm_ddtree.attention.cpu import tree_chains  # noqa: E402
+
+TREES = {
+    "chain": [-1, 0, 1, 2, 3],
+    "bushy": [-1, 0, 0, 0, 0, 0, 0, 1, 1, 2],  # six children of the root
+    "deep": [-1, 0, 1, 2, 3, 4, 5, 0, 7, 8, 9, 10, 3, 12],  # two long branches and a late fork
+    "leaves": [-1, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 6, 7, 0, 13],  # binary-ish, many leaves
+    "spine_then_fork": [-1, 0, 1, 2, 3, 3, 3],  # the first rows are the causal prefix
+}
+
+
+def _path(parents, i):
+    path = [i]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+@pytest.mark.parametrize("name", sorted(TREES))
+def test_tree_chains_cover_every_non_prefix_row_once_as_path_suffixes(name):
+    parents = TREES[name]
+    mask = parents_to_mask(parents)
+    n = len(parents)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    need = {i for i in range(n) if not torch.equal(mask[i], causal[i])}
+    chains = tree_chains(mask)
+    covered = []
+    for path, first in chains:
+        leaf = path[-1]
+        assert path == _path(parents, leaf)  # a root→leaf path ...
+        assert leaf not in parents  # ... ending at a leaf
+        assert 0 <= first < len(path)
+        covered += path[first:]
+        assert all(j not in need for j in path[:first] if j not in covered)  # suffix: rest done
+    assert sorted(covered) == sorted(need)  # each row to recompute exactly once
+    depths = [len(p) for p, _ in chains]
+    assert depths == sorted(depths, reverse=True)  # deepest leaf first
+    if name == "chain":
+        assert chains == []
+
+
+def test_tree_chains_rejects_masks_that_are_not_trees():
+    good = parents_to_mask([-1, 0, 1, 0])
+    with pytest.raises(ValueError, match="tree"):
+        tree_chains(good.t().contiguous())  # descendants instead of ancestors
+    bad = good.clone()
+    bad[3, 2] = True  # node 3 sees node 2 but not its parent 1: not an ancestor set
+    with pytest.raises(ValueError, match="tree"):
+        tree_chains(bad)
+    bad = good.clone()
+    bad[2, 2] = False
+    with pytest.raises(ValueError, match="tree"):
+        tree_chains(bad)
+
+
+def _per_node_kernel(sc, impl, requests, head_size, block_size):
+    """The per-node method (one-token causal query per tree row over its ancestor path laid out
+    in the tree's slots, through vLLM's kernel), applied to a copy of the cache."""
+    kv = sc.kv_cache.clone()
+    nb = kv.shape[0]
+    kc, vc = kv.view(nb, kv.shape[1], 2 * block_size, head_size).chunk(2, dim=2)
+    n_act = sc.metadata.num_actual_tokens
+    ops.cpu_attn_reshape_and_cache(sc.key[:n_act], sc.value[:n_act], kc, vc, sc.slot_mapping,
+                                   sc.isa)
+    out = {}
+    for req in requests:
+        lo = req.query_start
+        for i in range(req.num_rows):
+            path = torch.nonzero(req.ancestor_mask[i]).flatten()
+            ops.cpu_attn_reshape_and_cache(sc.key[lo + path], sc.value[lo + path], kc, vc,
+                                           sc.slot_mapping[lo:lo + len(path)], sc.isa)
+            res = torch.empty_like(sc.query[:1])
+            qsl = torch.tensor([0, 1], dtype=torch.int32)
+            lens = torch.tensor([req.context_len + len(path)], dtype=torch.int32)
+            meta = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=1, num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
+                head_dim=head_size, seq_lens=lens, dtype=sc.query.dtype, query_start_loc=qsl,
+                causal=True, sliding_window_size=-1, isa=sc.isa, enable_kv_split=True,
+                dynamic_causal=None, kv_cache_dtype="auto")
+            ops.cpu_attention_with_kv_cache(
+                query=sc.query[lo + i:lo + i + 1].contiguous(), key_cache=kc, value_cache=vc,
+                output=res, query_start_loc=qsl, seq_lens=lens, scale=head_size**-0.5,
+                causal=True, alibi_slopes=None, sliding_window=-1,
+                block_table=sc.block_table[req.batch_index:req.batch_index + 1], softcap=0.0,
+                scheduler_metadata=meta, s_aux=None)
+            out[lo + i] = res[0]
+            ops.cpu_attn_reshape_and_cache(sc.key[lo:lo + req.num_rows],
+                                           sc.value[lo:lo + req.num_rows], kc, vc,
+                                           sc.slot_mapping[lo:lo + req.num_rows], sc.isa)
+    return out
+
+
+@pytest.mark.parametrize("dtype,head_size,block_size", [
+    (torch.float32, 32, 16),  # small blocks: paths cross block boundaries
+    (torch.bfloat16, 64, 32),
+    (torch.bfloat16, 128, 128),  # the 0.6B head shape
+])
+def test_chain_decomposition_equals_reference_and_per_node_kernel(model_dtype, dtype, head_size,
+                                                                   block_size):
+    """Several requests of different tree shapes and sizes next to plain rows: tree rows equal
+    the ancestor-only reference and the per-node kernel method (fp32: to 1e-6; bf16: at most one
+    bf16 ulp in an element, since vLLM's kernel rounds a row differently in different call
+    shapes), spine rows and non-tree rows are vLLM's bits, the cache ends as vLLM leaves it, and
+    every layer of the step reuses one wave plan."""
+    model_dtype["dtype"] = dtype
+    heads, kv_heads = 8, 2
+    names = ["bushy", None, "deep", "chain", "leaves", "spine_then_fork"]
+    trees = {r: TREES[nm] for r, nm in enumerate(names) if nm}
+    context_lens = [33, 20, 2 * block_size - 3, 70, block_size, 5]
+    query_lens = [len(trees[r]) if r in trees else 3 for r in range(len(names))]
+    sc = make_scenario(context_lens, query_lens, num_heads=heads, num_kv_heads=kv_heads,
+                       head_size=head_size, block_size=block_size, dtype=dtype, pad_tokens=2,
+                       seed=11)
+    requests = [TreeAttentionRequest(batch_index=r, query_start=sc.query_start[r],
+                                     num_rows=query_lens[r], context_len=context_lens[r],
+                                     ancestor_mask=parents_to_mask(p)) for r, p in trees.items()]
+    tree_rows = torch.cat([torch.arange(q.query_start, q.query_start + q.num_rows)
+                           for q in requests])
+    batch = TreeAttentionBatch(requests=requests, tree_rows=tree_rows)
+    ours, vllms = make_impls(heads, head_size, kv_heads)
+    kv_ours, kv_vllm = sc.kv_cache.clone(), sc.kv_cache.clone()
+    with tree_attention_active(batch):
+        out = run_impl(ours, sc, kv_ours)
+        kv_again = sc.kv_cache.clone()
+        out_again = run_impl(ours, sc, kv_again)  # a second layer with the same metadata
+    assert len(batch.backend_cache) == 1
+    assert torch.equal(out_again, out) and torch.equal(kv_again, kv_ours)
+    expected = run_impl(vllms, sc, kv_vllm)
+    assert torch.equal(kv_ours, kv_vllm)
+    per_node = _per_node_kernel(sc, vllms, requests, head_size, block_size)
+
+    tree_mask = torch.zeros(sc.query.shape[0], dtype=torch.bool)
+    tree_mask[tree_rows] = True
+    assert torch.equal(out[~tree_mask], expected[~tree_mask])
+    for req in requests:
+        rows = slice(req.query_start, req.query_start + req.num_rows)
+        b = req.batch_index
+        ref = tree_attention_reference(
+            sc.query[rows], torch.cat([sc.prefix_k[b], sc.key[rows]]),
+            torch.cat([sc.prefix_v[b], sc.value[rows]]), req.context_len, req.ancestor_mask,
+            head_size**-0.5)
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(out[rows], ref, **tol)
+        prefix = (req.ancestor_mask == torch.ones_like(req.ancestor_mask).tril()).all(1)
+        assert torch.equal(out[rows][prefix], expected[rows][prefix])  # not redone
+        for i in range(req.num_rows):
+            got, want = out[req.query_start + i].float(), per_node[req.query_start + i].float()
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            else:
+                ulp = 2.0 ** -7 * torch.maximum(got.abs(), want.abs())
+                assert ((got - want).abs() <= ulp).all(), (req.batch_index, i)

@@ -43,7 +43,8 @@ class TreeAttentionBatch:
 
     ``recorded_kv`` maps a layer name to ``(layer, impl, key, value, kv_cache)`` as seen by the
     backend's ``do_kv_cache_update``; :mod:`vllm_ddtree.commit` rewrites the accepted nodes'
-    K/V through the same backend writer (layout-agnostic KV compaction).
+    K/V through the same backend writer (layout-agnostic KV compaction). ``backend_cache`` holds
+    per-step plans the backends derive from ``requests`` (never read by anything else).
     """
 
     requests: list[TreeAttentionRequest]
@@ -52,6 +53,10 @@ class TreeAttentionBatch:
     recorded_kv: dict[str, tuple[Any, Any, torch.Tensor, torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
     )
+    #: Scratch space for backends: work that depends only on this step's trees and attention
+    #: metadata (shared by every attention layer of the forward) is computed once and kept here,
+    #: keyed by the backend (e.g. :mod:`vllm_ddtree.attention.cpu`'s per-step wave plan).
+    backend_cache: dict[Any, Any] = field(default_factory=dict)
 
     def record_kv(self, layer: Any, impl: Any, key: torch.Tensor, value: torch.Tensor,
                   kv_cache: torch.Tensor) -> None:

@@ -11,14 +11,18 @@ verification forward:
 * ``do_kv_cache_update`` additionally records the layer's fresh K/V for KV compaction;
 * ``forward`` runs vLLM's kernel for the whole batch, then recomputes the tree rows that the
   causal result got wrong (rows with a sibling branch among their predecessors) under the
-  ancestor-only mask of the DDTree paper (§3) — again with vLLM's own kernel, over each row's
-  ancestor path laid out contiguously in the tree's KV slots, so tree rows round exactly like
-  target-only decoding in bf16 as in fp32. The torch
-  :func:`vllm_ddtree.attention.paged.tree_attention_reference` is the test oracle. This plays the role of the removed
-  ``tree_attn.py``'s ``qq_bias`` path (vLLM PR #20401, removed by #42121) with a per-request mask.
+  ancestor-only mask of the DDTree paper (§3) — again with vLLM's own kernel, one causal query
+  per chain (a root→leaf path suffix, :func:`tree_chains`) over the path laid out contiguously
+  in the tree's KV slots, so tree rows are rounded by the same kernel as a chain verification
+  (vLLM's DFlash) rounds its rows, in bf16 as in fp32. The torch
+  :func:`vllm_ddtree.attention.paged.tree_attention_reference` is the test oracle. This plays
+  the role of the removed ``tree_attn.py``'s ``qq_bias`` path (vLLM PR #20401, removed by
+  #42121) with a per-request mask.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from vllm import _custom_ops as ops
@@ -37,7 +41,102 @@ from vllm_ddtree.attention.common import (
 )
 from vllm_ddtree.attention.paged import gather_paged_kv
 
-__all__ = ["DDTreeCPUAttentionBackend", "DDTreeCPUAttentionImpl"]
+__all__ = ["DDTreeCPUAttentionBackend", "DDTreeCPUAttentionImpl", "tree_chains"]
+
+
+def tree_chains(ancestor_mask: torch.Tensor) -> list[tuple[list[int], int]]:
+    """Cut a draft tree into the chains :class:`DDTreeCPUAttentionImpl` recomputes.
+
+    Args:
+        ancestor_mask: ``[n, n]`` bool (any device), row ``i`` true at ``j`` iff ``j`` is ``i``
+            or an ancestor of ``i``, nodes in topological order (root ``0``, parents before
+            children), as in :class:`~vllm_ddtree.attention.common.TreeAttentionRequest`.
+
+    Returns:
+        ``[(path, first), ...]``: ``path`` lists the nodes root→leaf (``path[p]`` is the node at
+        depth ``p``), ``path[first:]`` are the chain's nodes. Only rows whose ancestor set is not
+        ``{0 … i}`` are covered (each exactly once); leaves are taken deepest first (ties by
+        index), each chain being the part of its root→leaf path not covered by earlier chains,
+        so a chain is always a path suffix. Empty if the causal order is already right for every
+        row (a chain-shaped tree).
+
+    Raises:
+        ValueError: ``ancestor_mask`` is not the ancestor-or-self mask of a tree in topological
+            order.
+    """
+    mask = ancestor_mask.to("cpu", torch.bool)
+    n = mask.shape[0]
+    if mask.dim() != 2 or mask.shape[1] != n or n < 1:
+        raise ValueError(f"ancestor_mask must be [n, n] with n >= 1, got {tuple(mask.shape)}")
+    idx = torch.arange(n)
+    eye = torch.eye(n, dtype=torch.bool)
+    parent = torch.where(mask & ~eye, idx, -1).amax(1)
+    depth = mask.sum(1) - 1
+    ok = bool(mask[0].eq(idx == 0).all()) and bool(mask.triu(1).logical_not().all())
+    if ok and n > 1:
+        ok = bool((parent[1:] >= 0).all()) and torch.equal(mask[1:], mask[parent[1:]] | eye[1:])
+    if not ok:
+        raise ValueError("ancestor_mask is not the ancestor-or-self mask of a tree in "
+                         "topological order")
+    need = (depth != idx).tolist()
+    if not any(need):
+        return []
+    parent_l, depth_l = parent.tolist(), depth.tolist()
+    has_child = [False] * n
+    for i in range(1, n):
+        has_child[parent_l[i]] = True
+    leaves = sorted((i for i in range(n) if need[i] and not has_child[i]),
+                    key=lambda i: (-depth_l[i], i))
+    done = [False] * n
+    chains = []
+    for leaf in leaves:
+        path = [leaf]
+        while path[-1] != 0:
+            path.append(parent_l[path[-1]])
+        path.reverse()
+        first = next(p for p, node in enumerate(path) if need[node] and not done[node])
+        for node in path[first:]:
+            done[node] = True
+        chains.append((path, first))
+    return chains
+
+
+@dataclass
+class _Wave:
+    """One kernel call: the ``t``-th chain of every tree request that has one.
+
+    ``src`` / ``src_local``: ``[w]`` long rows of the K/V to write before the call (into the
+    step's flat ``key``/``value``, or into the concatenated tree K/V of a KV-sharing layer);
+    ``slots``: ``[w]`` their KV slots. ``rows``: ``[q]`` long flat query/output rows, chain after
+    chain. ``query_start_loc`` ``[r + 1]``, ``seq_lens`` ``[r]`` (int32), ``block_table``
+    ``[r, max_blocks]``: one causal request per chain; ``scheduler_metadata``: vLLM's
+    ``cpu_attn_get_scheduler_metadata`` for them.
+    """
+
+    src: torch.Tensor
+    src_local: torch.Tensor
+    slots: torch.Tensor
+    rows: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    scheduler_metadata: torch.Tensor
+
+
+@dataclass
+class _WavePlan:
+    """A step's tree-row recomputation for one attention-metadata object (all layers share it).
+
+    ``requests``: the tree requests with rows to recompute (in ``batch.requests`` order);
+    ``waves``: the kernel calls in order; ``restore_*``: the writes that put every tree's own
+    K/V back in node order afterwards (only slots some wave changed).
+    """
+
+    requests: list[TreeAttentionRequest]
+    waves: list[_Wave]
+    restore_src: torch.Tensor
+    restore_src_local: torch.Tensor
+    restore_slots: torch.Tensor
 
 
 class DDTreeCPUAttentionBackend(CPUAttentionBackend):
@@ -132,7 +231,8 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
             NotImplementedError: a tree row on a layer with sliding window, ALiBi, soft cap,
                 sinks, fp8 KV cache or non-causal attention, or on an unverified KV layout.
             ValueError: a tree request inconsistent with the batch metadata (rows outside its
-                request, or ``context_len`` not the root's position).
+                request, ``context_len`` not the root's position, or an ``ancestor_mask`` that
+                is not a tree's).
         """
         batch = active_tree_batch()
         if (
@@ -190,21 +290,37 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
 
         A row whose ancestor-or-self set is ``{0 … i}`` (the root and a spine prefix) already got
         the right result from vLLM's causal kernel. Every other row is recomputed **with vLLM's
-        own kernel** (``ops.cpu_attention_with_kv_cache``), so tree rows round exactly like
-        target-only decoding in every dtype: the row's ancestor path is written (through vLLM's
-        KV writer) into the request's tree slots ``context_len .. context_len + depth`` in path
-        order, the kernel runs the row as a one-token causal query over that contiguous path,
-        and the tree's own K/V are written back afterwards. One node per tree request is handled
-        per kernel call (different requests use different slots), so a step costs at most
-        ``max(n)`` extra kernel calls per layer.
+        own kernel** (``ops.cpu_attention_with_kv_cache``) by *chain decomposition*: each tree
+        is cut into chains, a chain being the not-yet-recomputed suffix of a root→leaf path
+        (deepest leaf first). For a chain, the whole root→leaf path's K/V are written (through
+        vLLM's KV writer, only the slots whose content changes) into the request's tree slots
+        ``context_len .. context_len + depth`` in path order, and the chain's rows run as one
+        causal query over that contiguous path: the row at path position ``p`` sees the prefix
+        and path positions ``0 .. p``, i.e. exactly its ancestors and itself. The ``t``-th chain
+        of every tree request runs in the same kernel call ("wave"; requests own disjoint
+        slots), so a step costs ``max(chains per request)`` kernel calls per layer; afterwards
+        the tree's own K/V are written back to the slots that changed (the node-order layout
+        the commit step expects).
+
+        The wave plan (index, slot, ``seq_lens``/``query_start_loc``/block-table tensors and
+        vLLM's scheduler metadata) depends only on the trees and this step's attention metadata,
+        so it is built once per forward and cached in ``batch.backend_cache`` for every layer
+        with the same metadata object and head configuration.
+
+        Rounding: each recomputed row is rounded by vLLM's kernel like a row of a causal chain
+        query (as the spine rows and vLLM's own chain verification are). In bf16 vLLM's CPU
+        kernel does not round a row identically in every call shape (query length, split-KV
+        scheduling and the other requests of the call change the last bit of a few elements),
+        so no method of computing tree rows is bit-identical to batch-1 target-only decoding in
+        general; the ancestor mask itself is exact.
         """
         isa = getattr(layer, "isa", None)
         if isa is None:
             raise ValueError("attention layer has no 'isa' (set by CPUAttentionMetadataBuilder)")
         out = output.view(output.shape[0], self.num_heads, -1) if output.dim() == 2 else output
-        query_start_loc = attn_metadata.query_start_loc.tolist()
-        seq_lens = attn_metadata.seq_lens.tolist()
-        dynamic_causal = attn_metadata.dynamic_causal
+        plan = self._wave_plan(batch, attn_metadata, isa, query.dtype, query.device)
+        if plan is None:
+            return
         fresh_kv = (
             key is not None and value is not None and self.kv_sharing_target_layer_name is None
         )
@@ -212,9 +328,65 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         key_cache, value_cache = kv_cache.view(
             num_blocks, num_kv_heads, 2 * block_size, -1
         ).chunk(2, dim=2)
+        if fresh_kv:
+            src_k, src_v = key, value
+        else:  # a layer sharing another layer's cache: the tree's K/V are in the cache
+            ks, vs = [], []
+            for req in plan.requests:
+                k, v = gather_paged_kv(
+                    key_cache, value_cache, attn_metadata.block_table[req.batch_index],
+                    req.context_len + req.num_rows, isa,
+                )
+                ks.append(k[req.context_len :])
+                vs.append(v[req.context_len :])
+            src_k, src_v = torch.cat(ks), torch.cat(vs)
+        write = CPUAttentionBackendImpl.do_kv_cache_update
+        for w in plan.waves:
+            if w.src.numel():
+                src = w.src if fresh_kv else w.src_local
+                write(self, layer, src_k.index_select(0, src), src_v.index_select(0, src),
+                      kv_cache, w.slots)
+            q = query.index_select(0, w.rows)
+            res = torch.empty_like(q)
+            ops.cpu_attention_with_kv_cache(
+                query=q, key_cache=key_cache, value_cache=value_cache, output=res,
+                query_start_loc=w.query_start_loc, seq_lens=w.seq_lens, scale=self.scale,
+                causal=True, alibi_slopes=None, sliding_window=-1, block_table=w.block_table,
+                softcap=0, scheduler_metadata=w.scheduler_metadata, s_aux=None,
+                dynamic_causal=None, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+                kv_cache_dtype=self.kv_cache_dtype,
+            )
+            out.index_copy_(0, w.rows, res.to(out.dtype))
+        if plan.restore_src.numel():
+            src = plan.restore_src if fresh_kv else plan.restore_src_local
+            write(self, layer, src_k.index_select(0, src), src_v.index_select(0, src), kv_cache,
+                  plan.restore_slots)
 
-        # Per request: the rows to recompute, each with its ancestor path (root first).
-        todo: list[tuple[TreeAttentionRequest, torch.Tensor, list[tuple[int, list[int]]]]] = []
+    def _wave_plan(self, batch: TreeAttentionBatch, attn_metadata: CPUAttentionMetadata,
+                   isa: str, dtype: torch.dtype, device: torch.device) -> "_WavePlan | None":
+        """This step's :class:`_WavePlan` for ``attn_metadata`` (cached in ``batch``).
+
+        Raises:
+            ValueError / NotImplementedError: see :meth:`forward` (checked when the plan is
+                built, i.e. once per metadata object and head configuration).
+        """
+        key = ("cpu_waves", id(attn_metadata), isa, dtype, str(device), self.num_heads,
+               self.num_kv_heads, self.head_size, self.kv_cache_dtype,
+               bool(envs.VLLM_CPU_ATTN_SPLIT_KV))
+        hit = batch.backend_cache.get(key)
+        if hit is not None and hit[0] is attn_metadata:
+            return hit[1]
+        plan = self._build_wave_plan(batch, attn_metadata, isa, dtype, device)
+        batch.backend_cache[key] = (attn_metadata, plan)  # holds the metadata: its id stays unique
+        return plan
+
+    def _build_wave_plan(self, batch, attn_metadata, isa, dtype, device) -> "_WavePlan | None":
+        query_start_loc = attn_metadata.query_start_loc.tolist()
+        seq_lens = attn_metadata.seq_lens.tolist()
+        dynamic_causal = attn_metadata.dynamic_causal
+        slots_all = attn_metadata.slot_mapping.to("cpu")
+        todo: list[tuple[TreeAttentionRequest, int, list[list[int]]]] = []
+        local = 0  # offset of the request's rows in the concatenated tree K/V (shared-KV layers)
         for req in batch.requests:
             self._check_request(req, query_start_loc, seq_lens, attn_metadata.num_actual_tokens)
             if dynamic_causal is not None and not bool(dynamic_causal[req.batch_index]):
@@ -222,79 +394,62 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
                     "DDTree tree attention on CPU does not support non-causal attention on tree "
                     f"rows (request {req.batch_index})"
                 )
-            mask = req.ancestor_mask.to("cpu")
-            prefix = torch.ones(req.num_rows, req.num_rows, dtype=torch.bool).tril()
-            rows = [
-                (i, torch.nonzero(mask[i]).flatten().tolist())
-                for i in range(req.num_rows)
-                if not torch.equal(mask[i], prefix[i])
-            ]
-            if not rows:
-                continue
-            lo, hi = req.query_start, req.query_start + req.num_rows
-            if fresh_kv:
-                tree_k, tree_v = key[lo:hi], value[lo:hi]
-            else:  # a layer sharing another layer's cache: the tree's K/V are in the cache
-                tree_k, tree_v = gather_paged_kv(
-                    key_cache, value_cache, attn_metadata.block_table[req.batch_index],
-                    req.context_len + req.num_rows, isa,
-                )
-                tree_k, tree_v = tree_k[req.context_len :], tree_v[req.context_len :]
-            todo.append((req, (tree_k, tree_v), rows))
+            paths = tree_chains(req.ancestor_mask)
+            if paths:
+                todo.append((req, local, paths))
+                local += req.num_rows
         if not todo:
-            return
+            return None
 
-        slots_all = attn_metadata.slot_mapping
-        for t in range(max(len(rows) for _, _, rows in todo)):
-            wave = [(req, kv, rows[t]) for req, kv, rows in todo if t < len(rows)]
-            ks, vs, slots, qrows, lens, tables = [], [], [], [], [], []
-            for req, (tree_k, tree_v), (i, path) in wave:
-                idx = torch.tensor(path, dtype=torch.long, device=tree_k.device)
-                ks.append(tree_k.index_select(0, idx))
-                vs.append(tree_v.index_select(0, idx))
-                slots.append(slots_all[req.query_start : req.query_start + len(path)])
-                qrows.append(req.query_start + i)
+        long = dict(dtype=torch.long, device=device)
+        i32 = attn_metadata.seq_lens.dtype
+        waves = []
+        content = {id(req): list(range(req.num_rows)) for req, _, _ in todo}  # node in each slot
+        for t in range(max(len(p) for _, _, p in todo)):
+            src, src_local, slots, rows, qsl, lens, tables = [], [], [], [], [0], [], []
+            for req, off, paths in todo:
+                if t >= len(paths):
+                    continue
+                path, first = paths[t]
+                cur = content[id(req)]
+                for p, node in enumerate(path):
+                    if cur[p] != node:
+                        cur[p] = node
+                        src.append(req.query_start + node)
+                        src_local.append(off + node)
+                        slots.append(int(slots_all[req.query_start + p]))
+                rows += [req.query_start + node for node in path[first:]]
+                qsl.append(qsl[-1] + len(path) - first)
                 lens.append(req.context_len + len(path))
                 tables.append(req.batch_index)
-            CPUAttentionBackendImpl.do_kv_cache_update(
-                self, layer, torch.cat(ks), torch.cat(vs), kv_cache, torch.cat(slots)
-            )
-            self._kernel_rows(layer, query, out, key_cache, value_cache, attn_metadata, isa,
-                              qrows, lens, tables)
-        # Restore the tree's own K/V in node order (the layout the commit step expects).
-        for req, (tree_k, tree_v), _ in todo:
-            CPUAttentionBackendImpl.do_kv_cache_update(
-                self, layer, tree_k, tree_v, kv_cache,
-                slots_all[req.query_start : req.query_start + req.num_rows],
-            )
-
-    def _kernel_rows(self, layer, query, out, key_cache, value_cache, attn_metadata, isa,
-                     qrows: list[int], lens: list[int], tables: list[int]) -> None:
-        """Run vLLM's CPU kernel for single query rows as one-token causal requests."""
-        dev = query.device
-        n = len(qrows)
-        q = query[torch.tensor(qrows, device=dev)].contiguous()
-        res = torch.empty_like(q)
-        query_start_loc = torch.arange(n + 1, dtype=attn_metadata.query_start_loc.dtype,
-                                       device=dev)
-        seq_lens = torch.tensor(lens, dtype=attn_metadata.seq_lens.dtype, device=dev)
-        block_table = attn_metadata.block_table[torch.tensor(tables, device=dev)]
-        meta = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=n, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_size, seq_lens=seq_lens, dtype=query.dtype,
-            query_start_loc=query_start_loc, causal=True, sliding_window_size=-1, isa=isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
-            kv_cache_dtype=self.kv_cache_dtype,
+            w_qsl = torch.tensor(qsl, dtype=attn_metadata.query_start_loc.dtype, device=device)
+            w_lens = torch.tensor(lens, dtype=i32, device=device)
+            waves.append(_Wave(
+                src=torch.tensor(src, **long), src_local=torch.tensor(src_local, **long),
+                slots=torch.tensor(slots, dtype=attn_metadata.slot_mapping.dtype, device=device),
+                rows=torch.tensor(rows, **long), query_start_loc=w_qsl, seq_lens=w_lens,
+                block_table=attn_metadata.block_table[torch.tensor(tables, **long)],
+                scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
+                    num_reqs=len(lens), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                    head_dim=self.head_size, seq_lens=w_lens, dtype=dtype, query_start_loc=w_qsl,
+                    causal=True, sliding_window_size=-1, isa=isa,
+                    enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
+                    kv_cache_dtype=self.kv_cache_dtype,
+                ),
+            ))
+        src, src_local, slots = [], [], []
+        for req, off, _ in todo:
+            for p, node in enumerate(content[id(req)]):
+                if node != p:
+                    src.append(req.query_start + p)
+                    src_local.append(off + p)
+                    slots.append(int(slots_all[req.query_start + p]))
+        return _WavePlan(
+            requests=[req for req, _, _ in todo], waves=waves,
+            restore_src=torch.tensor(src, **long), restore_src_local=torch.tensor(src_local, **long),
+            restore_slots=torch.tensor(slots, dtype=attn_metadata.slot_mapping.dtype,
+                                       device=device),
         )
-        ops.cpu_attention_with_kv_cache(
-            query=q, key_cache=key_cache, value_cache=value_cache, output=res,
-            query_start_loc=query_start_loc, seq_lens=seq_lens, scale=self.scale, causal=True,
-            alibi_slopes=None, sliding_window=-1, block_table=block_table, softcap=0,
-            scheduler_metadata=meta, s_aux=None, dynamic_causal=None,
-            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-            kv_cache_dtype=self.kv_cache_dtype,
-        )
-        out[torch.tensor(qrows, device=dev)] = res.to(out.dtype)
 
     @staticmethod
     def _check_request(
