@@ -10,6 +10,7 @@ glue on a CUDA device and CUDA-graph replay).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -336,3 +337,75 @@ def test_engine_args_named_backend_is_a_start_up_error(qwen3_target, dflash_draf
                           speculative_config={"method": "ddtree", "model": str(dflash_drafter)})
         with pytest.raises(DDTreeConfigError, match=match):
             args.create_engine_config()
+
+
+# --------------------------------------------------------------------------- in a vLLM engine
+
+
+def test_triton_backend_in_a_cpu_engine_is_exact(qwen3_target, dflash_drafter, monkeypatch):
+    """The CUDA path end to end, minus the GPU: a CPU engine with the Triton tree backend
+    (:mod:`vllm_ddtree.testing.triton_cpu`; kernel interpreted), so the runner allocates, writes
+    and clears the static mask buffers and compacts KV inside the cache. Greedy output equals
+    target-only decoding (vLLM's CPU backend) with injected drafts whose accepted paths leave the
+    spine, including a chunked prefill sharing steps with trees."""
+    from vllm import SamplingParams
+
+    from vllm_ddtree import commit
+    from vllm_ddtree.testing.injection import (
+        ReferenceDraftInjector,
+        injected_drafts,
+        recorded_verification,
+    )
+    from vllm_ddtree.testing.models import make_llm, release_llm
+    from vllm_ddtree.testing.triton_cpu import triton_backend_on_cpu
+
+    if _NO_KERNEL is not None:
+        pytest.skip(_NO_KERNEL)
+    import os as _os
+
+    long_prompt = (Path(_os.__file__).parent / "textwrap.py").read_text()[:400]
+    prompts = ["def main():\n", "import os\nimport sys\n", long_prompt,
+               "class Foo:\n    def __init__(self):", "x = 1"]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+              for m in (30, 14, 24, 27, 9)]
+    engine = dict(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=4)
+    llm = make_llm(qwen3_target, **engine)
+    ref = llm.generate(prompts, params)
+    release_llm(llm)
+    want = [list(o.outputs[0].token_ids) for o in ref]
+    refs = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in ref}
+
+    counts = {"kernel": 0, "moved": 0}
+    kernel, compact = tree_cuda.tree_attention_paged, commit.compact_kv_in_cache
+
+    def counting_kernel(*a, **k):
+        counts["kernel"] += 1
+        return kernel(*a, **k)
+
+    def counting_compact(*a, **k):
+        n = compact(*a, **k)
+        counts["moved"] += n
+        return n
+
+    monkeypatch.setattr(tree_cuda, "tree_attention_paged", counting_kernel)
+    monkeypatch.setattr(commit, "compact_kv_in_cache", counting_compact)
+    spec = {"method": "ddtree", "model": str(dflash_drafter), "ddtree_budget": 24}
+    with triton_backend_on_cpu():
+        llm = make_llm(qwen3_target, speculative_config=spec, **engine)
+        try:
+            assert tree_cuda.installed_tree_mask_buffers() is not None
+            # (Only injected drafts: with the random drafter every step verifies one token and
+            # the interpreted kernel makes ~30 such steps cost minutes.)
+            injector = ReferenceDraftInjector(refs, lambda depth, i: 1 if i % 7 == 3 else 0)
+            with injected_drafts(injector), recorded_verification() as rec:
+                got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+            assert got == want
+            # cleared after every target forward: no later forward can read a stale tree
+            assert bool((tree_cuda.installed_tree_mask_buffers().tree_start == -1).all())
+        finally:
+            release_llm(llm)
+            tree_cuda.install_tree_mask_buffers(None)
+    accepted = [r["accepted"] for r in rec.records]
+    assert max(len(a) - 1 for a in accepted) >= 6
+    assert any(any(n != j for j, n in enumerate(a)) for a in accepted), "no off-spine path"
+    assert counts["kernel"] > 0 and counts["moved"] > 0, counts

@@ -320,12 +320,16 @@ def _runner_init(original: Callable) -> Callable:
         if not isinstance(getattr(self, "drafter", None), DDTreeProposer):
             raise RuntimeError("DDTree: vLLM did not build the DFlash drafter for this engine")
         self._ddtree_cache_layers = None
-        if torch.device(device).type == "cuda":  # static tree-mask buffers for CUDA graphs
-            from vllm_ddtree.attention.cuda import (
-                allocate_engine_tree_masks,
-                install_tree_mask_buffers,
-            )
+        from vllm_ddtree.attention.cuda import (
+            allocate_engine_tree_masks,
+            engine_uses_tree_mask_buffers,
+            install_tree_mask_buffers,
+        )
 
+        # The Triton tree backend (CUDA) reads static mask buffers, allocated before any
+        # CUDA-graph capture.
+        self._ddtree_tree_masks = engine_uses_tree_mask_buffers()
+        if self._ddtree_tree_masks:
             sched = vllm_config.scheduler_config
             install_tree_mask_buffers(allocate_engine_tree_masks(
                 sched.max_num_seqs, self._ddtree.budget, device,
@@ -410,8 +414,8 @@ def _model_forward(original: Callable) -> Callable:
         if moved:  # in place: the model (and a captured graph) reads this buffer
             self.positions[rows] = step.tree_positions
         step.slot_mappings = get_forward_context().slot_mapping
-        cuda = self.device.type == "cuda"
-        if cuda:  # in place, before the forward: a captured graph reads these buffers
+        tree_masks = getattr(self, "_ddtree_tree_masks", False)
+        if tree_masks:  # in place, before the forward: a captured graph reads these buffers
             from vllm_ddtree.attention.cuda import clear_tree_masks, publish_tree_masks
 
             num_reqs = self.input_batch.num_reqs
@@ -425,7 +429,7 @@ def _model_forward(original: Callable) -> Callable:
         finally:
             if moved:
                 self.positions[rows] = step.chain_positions
-            if cuda:
+            if tree_masks:
                 clear_tree_masks()
         if self.use_aux_hidden_state_outputs and isinstance(out, tuple):
             step.aux_hidden_states = out[1]

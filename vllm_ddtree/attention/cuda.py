@@ -90,6 +90,25 @@ def allocate_engine_tree_masks(max_num_seqs: int, budget: int, device: torch.dev
     return allocate_tree_mask_buffers(max_num_seqs, tokens, budget + 1, device=device)
 
 
+def engine_uses_tree_mask_buffers() -> bool:
+    """Whether this process's tree-attention backend is :class:`DDTreeTritonAttentionBackend`
+    (or a subclass): the backend that :mod:`vllm_ddtree.attention.selection` picks for the
+    platform, resolved through vLLM's registry (``TRITON_ATTN`` on CUDA; on CPU only when a test
+    registers the Triton backend for ``CPU_ATTN``, :mod:`vllm_ddtree.testing.triton_cpu`)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_ddtree.attention.selection import TREE_ATTENTION_BACKENDS, current_platform_name
+
+    name = TREE_ATTENTION_BACKENDS.get(current_platform_name())
+    if name is None:
+        return False
+    try:
+        backend = AttentionBackendEnum[name].get_class()
+    except (ImportError, ValueError):
+        return False
+    return isinstance(backend, type) and issubclass(backend, DDTreeTritonAttentionBackend)
+
+
 def install_tree_mask_buffers(buffers: TreeMaskBuffers | None) -> None:
     """Make ``buffers`` the ones every :class:`DDTreeTritonAttentionImpl` reads (or none)."""
     global _BUFFERS, _PUBLISHED
