@@ -16,8 +16,12 @@ Worker (V1 model runner, ``vllm/v1/worker/gpu_model_runner.py``; the CPU runner 
   * ``GPUModelRunner._prepare_inputs``: lay this step's trees onto the token batch
     (:func:`vllm_ddtree.step.plan_tree_step`).
   * ``GPUModelRunner._model_forward``: depth positions in the positions buffer the model reads,
-    tree attention active, capture slot mappings and tapped hidden states.
-  * ``GPUModelRunner._sample``: tree verification, KV compaction, drafter-context gather.
+    tree attention active (CUDA: the static tree-mask buffers written before and cleared after),
+    capture slot mappings and tapped hidden states.
+  * ``GPUModelRunner._sample``: tree verification, KV compaction (CPU: from the recorded K/V;
+    CUDA: inside each cache), drafter-context gather.
+  * ``EngineArgs.create_engine_config``: the tree-attention backend (``TRITON_ATTN`` on CUDA) is
+    selected, a user-named other one refused (:mod:`vllm_ddtree.attention.selection`).
 
 :func:`apply_patches` is called by the plugin in every process; it refuses to patch an unknown
 vLLM version (:func:`check_vllm_version`), in which case only :func:`apply_version_guard` runs so
@@ -415,14 +419,14 @@ def _model_forward(original: Callable) -> Callable:
             self.positions[rows] = step.tree_positions
         step.slot_mappings = get_forward_context().slot_mapping
         tree_masks = getattr(self, "_ddtree_tree_masks", False)
-        if tree_masks:  # in place, before the forward: a captured graph reads these buffers
-            from vllm_ddtree.attention.cuda import clear_tree_masks, publish_tree_masks
-
-            num_reqs = self.input_batch.num_reqs
-            publish_tree_masks(step.attn_batch.requests,
-                               self.query_start_loc.np[: num_reqs + 1].tolist(), num_reqs)
-            step.cache_layers = _target_cache_layers(self)
         try:
+            if tree_masks:  # in place, before the forward: a captured graph reads these buffers
+                from vllm_ddtree.attention.cuda import clear_tree_masks, publish_tree_masks
+
+                num_reqs = self.input_batch.num_reqs
+                publish_tree_masks(step.attn_batch.requests,
+                                   self.query_start_loc.np[: num_reqs + 1].tolist(), num_reqs)
+                step.cache_layers = _target_cache_layers(self)
             with tree_attention_active(step.attn_batch if step.attn_batch.requests else None), \
                     hybrid_tree_active(ctx):
                 out = original(self, *args, **kwargs)
