@@ -76,6 +76,21 @@ def test_train_drafter_smoke(smoke_target, tmp_path):
     assert cfg["dflash_config"] == {"mask_token_id": 2, "target_layer_ids": [0, 1]}
     assert json.loads((out / "training.json").read_text())["offline_chain_tau_held_out"] >= 1.0
 
+    # A continuation run (--init) starts from the saved weights: with 0 steps it saves them back.
+    from safetensors.torch import load_file
+
+    again = tmp_path / "again"
+    rc = _load("train_drafter").main([
+        "--target", str(smoke_target), "--out", str(again), "--steps", "0", "--max-files", "4",
+        "--num-prompts", "4", "--prompt-lens", "16", "--gen-tokens", "20", "--eval-prompts", "2",
+        "--batch", "2", "--anchors", "2", "--layers", "1", "--block-size", "8", "--target-layer-ids", "0", "1",
+        "--init", str(out), "--seed", "1",
+    ])
+    assert rc == 0
+    first, second = load_file(str(out / "model.safetensors")), load_file(str(again / "model.safetensors"))
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
 
 def test_torch_drafter_matches_vllm_dflash(qwen3_target, tmp_path):
     """The training forward (``train_drafter.DFlashDrafter`` on ``tapped_features`` of a Hugging

@@ -20,12 +20,13 @@ target tokens, exactly as in greedy decoding. Loss: cross-entropy per block slot
 Evaluation: the chain acceptance length ``τ = 1 + #leading correct argmax slots`` on continuations
 of prompts from the held-out modules — the quantity vLLM's ``dflash`` method reports.
 
-    python examples/train/train_drafter.py --target models/pystdlib-qwen3 --out models/pystdlib-qwen3-dflash \
+    python examples/train/train_drafter.py --target models/pystdlib-qwen3 --out /tmp/drafter-0 \
         --steps 1500 --stop-at 350
 
-(the shipped drafter is the first 350 steps of the 1500-step schedule: the machine was shared;
-its run switched from 2 to 1 torch thread at step ~210, so a rerun matches it only up to float
-rounding).
+(the first 350 steps of a 1500-step schedule: the machine was shared; that run switched from 2 to
+1 torch thread at step ~210, so a rerun matches it only up to float rounding). The shipped drafter
+continues from it twice (``--init``: start from a checkpoint's weights; a new ``--seed`` draws fresh
+distillation prompts): the commands are in the top-level README ("Trained tiny pair").
 
 The checkpoint is written by ``vllm_ddtree.testing.models.build_dflash_drafter`` (config, tokenizer,
 weight names and shapes) and its weights then replaced by the trained ones.
@@ -75,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-files", type=int, default=None, help="use only the first N files per split (smoke)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--init", default=None,
+                   help="start from this drafter checkpoint's weights (a continuation run; use another "
+                        "--seed for fresh distillation prompts)")
     return p.parse_args(argv)
 
 
@@ -325,6 +329,11 @@ def main(argv=None) -> int:
     drafter = DFlashDrafter(cfg, args.layers, len(args.target_layer_ids),
                             model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach())
     drafter.block_size = args.block_size
+    if args.init:
+        from safetensors.torch import load_file
+
+        drafter.load_checkpoint_state(load_file(str(Path(args.init) / "model.safetensors")))
+        print(f"initialised from {args.init}", flush=True)
     del model
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     w = torch.exp(-torch.arange(L, dtype=torch.float32) / args.gamma)  # slot weights [L]
