@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--part1-from", default=None,
                    help="JSON written by an earlier run (e.g. docs/benchmark_e2e.json): reuse its part-1 "
                         "results instead of running part 1")
+    p.add_argument("--part2-from", default=None,
+                   help="JSON written by an earlier run: reuse its part-2 numbers instead of running part 2")
     p.add_argument("--quick", action="store_true", help="budgets 8 32 128, 4 prompts, 32 tokens, part 2 with 8 layers")
     p.add_argument("--cache", default=os.environ.get("VLLM_DDTREE_MODEL_CACHE", "/tmp/vllm-ddtree-bench"),
                    help="where the part-2 random models are built (reused across runs)")
@@ -412,7 +414,13 @@ def main(argv=None) -> int:
             setattr(args, key, saved["args"][key])
     else:
         p1 = part1(args, stages)
-    p2, info = ([], {}) if args.skip_part2 else part2(args, stages)
+    if args.part2_from:
+        saved = json.loads(Path(args.part2_from).read_text())
+        p2, info = saved["part2"], {"layers": saved["args"]["part2_layers"]}
+        for key in ("part2_budgets", "part2_layers", "part2_tokens", "part2_oracle_rounds"):
+            setattr(args, key, saved["args"].get(key))
+    else:
+        p2, info = ([], {}) if args.skip_part2 else part2(args, stages)
     report(args, p1, p2, info, time.time() - t0)
     return 0 if all(r["identical_to_ar"] for r in p1 if r["config"].startswith("DDTree")) else 1
 
