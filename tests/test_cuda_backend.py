@@ -303,6 +303,16 @@ def test_compact_kv_in_cache_moves_accepted_nodes():
     assert impls["l1"].calls == [([1102, 1104], [1101, 1102])]
 
 
+def test_full_cudagraphs_of_mixed_batches_are_refused():
+    from vllm.config import CUDAGraphMode
+
+    with pytest.raises(DDTreeConfigError, match="cudagraph_mode=FULL "):
+        tree_cuda.check_cudagraph_mode(CUDAGraphMode.FULL)
+    for ok in (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY,
+               CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE, None):
+        tree_cuda.check_cudagraph_mode(ok)
+
+
 # --------------------------------------------------------------------------- selection
 
 

@@ -326,6 +326,7 @@ def _runner_init(original: Callable) -> Callable:
         self._ddtree_cache_layers = None
         from vllm_ddtree.attention.cuda import (
             allocate_engine_tree_masks,
+            check_cudagraph_mode,
             engine_uses_tree_mask_buffers,
             install_tree_mask_buffers,
         )
@@ -334,6 +335,7 @@ def _runner_init(original: Callable) -> Callable:
         # CUDA-graph capture.
         self._ddtree_tree_masks = engine_uses_tree_mask_buffers()
         if self._ddtree_tree_masks:
+            check_cudagraph_mode(vllm_config.compilation_config.cudagraph_mode)
             sched = vllm_config.scheduler_config
             install_tree_mask_buffers(allocate_engine_tree_masks(
                 sched.max_num_seqs, self._ddtree.budget, device,

@@ -53,6 +53,7 @@ __all__ = [
     "DDTreeTritonAttentionBackend",
     "DDTreeTritonAttentionImpl",
     "allocate_engine_tree_masks",
+    "check_cudagraph_mode",
     "clear_tree_masks",
     "install_tree_mask_buffers",
     "installed_tree_mask_buffers",
@@ -107,6 +108,33 @@ def engine_uses_tree_mask_buffers() -> bool:
     except (ImportError, ValueError):
         return False
     return isinstance(backend, type) and issubclass(backend, DDTreeTritonAttentionBackend)
+
+
+def check_cudagraph_mode(mode) -> None:
+    """Refuse CUDA-graph modes that capture mixed batches as full graphs.
+
+    The impl picks the tree kernel for a batch longer than ``num_speculative_tokens + 1`` rows
+    only while trees are published (Python state); a full graph of a mixed batch would replay the
+    choice made at capture, when none were. ``FULL_AND_PIECEWISE`` (vLLM's default),
+    ``FULL_DECODE_ONLY``, ``PIECEWISE`` and ``NONE`` capture full graphs of uniform decode
+    batches at most, which always run the tree kernel.
+
+    Args:
+        mode: ``vllm.config.CUDAGraphMode`` (``compilation_config.cudagraph_mode``) or ``None``.
+
+    Raises:
+        DDTreeConfigError: ``mode`` is ``FULL``.
+    """
+    from vllm_ddtree.config import DDTreeConfigError
+
+    if mode is None:
+        return
+    if getattr(mode, "mixed_mode", None) and mode.mixed_mode().name == "FULL":
+        raise DDTreeConfigError(
+            f"compilation_config.cudagraph_mode={mode.name} is not supported with speculative "
+            "method 'ddtree' (full graphs of mixed prefill/tree batches); use FULL_AND_PIECEWISE "
+            "(the default), FULL_DECODE_ONLY or PIECEWISE"
+        )
 
 
 def install_tree_mask_buffers(buffers: TreeMaskBuffers | None) -> None:
