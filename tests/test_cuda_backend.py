@@ -342,6 +342,9 @@ def test_engine_args_named_backend_is_a_start_up_error(qwen3_target, dflash_draf
     from vllm.engine.arg_utils import EngineArgs
 
     for kw, match in (({"attention_backend": "FLASH_ATTN"}, "attention_backend=FLASH_ATTN"),
+                      ({"attention_config": {"backend": "FLASHINFER"}},
+                       "attention_config.backend=FLASHINFER"),
+                      ({"attention_backend": "NOPE"}, "'NOPE' is not an attention backend"),
                       ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype")):
         args = EngineArgs(model=str(qwen3_target), dtype="float32", max_model_len=512, **kw,
                           speculative_config={"method": "ddtree", "model": str(dflash_drafter)})

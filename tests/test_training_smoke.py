@@ -87,6 +87,12 @@ def test_train_drafter_smoke(smoke_target, tmp_path):
         "--init", str(out), "--seed", "1",
     ])
     assert rc == 0
+    with pytest.raises(SystemExit, match="--layers 2"):  # checked before distillation
+        _load("train_drafter").main(["--target", str(smoke_target), "--out", str(tmp_path / "x"),
+                                     "--init", str(out), "--layers", "2"])
+    with pytest.raises(SystemExit, match="no config.json"):
+        _load("train_drafter").main(["--target", str(smoke_target), "--out", str(tmp_path / "x"),
+                                     "--init", str(tmp_path)])
     first, second = load_file(str(out / "model.safetensors")), load_file(str(again / "model.safetensors"))
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)

@@ -212,8 +212,17 @@ class DFlashDrafter(nn.Module):
         return out
 
     def load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Inverse of :meth:`checkpoint_state` (e.g. a drafter checkpoint's ``model.safetensors``)."""
+        """Inverse of :meth:`checkpoint_state` (e.g. a drafter checkpoint's ``model.safetensors``).
+
+        Raises:
+            ValueError: the checkpoint's weight names or shapes differ from this drafter's.
+        """
         params = dict(self.named_parameters())
+        want = {k: tuple(v.shape) for k, v in self.checkpoint_state().items()}
+        got = {k: tuple(v.shape) for k, v in state.items()}
+        if want != got:
+            diff = sorted(set(want.items()) ^ set(got.items()))[:4]
+            raise ValueError(f"checkpoint does not match this drafter's layout (e.g. {diff})")
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(state[name if name.endswith(".weight") else name + ".weight"].to(p.dtype))
@@ -301,6 +310,27 @@ def chain_tau(drafter, sets, L) -> tuple[float, list[float]]:
     return tau, per_depth
 
 
+def check_init(args) -> None:
+    """Fail before distillation if ``--init`` is not a drafter with this run's shape.
+
+    Raises:
+        SystemExit: no ``model.safetensors`` / ``config.json`` there, or its layer count, block
+            size or target layers differ from ``--layers`` / ``--block-size`` / ``--target-layer-ids``.
+    """
+    init = Path(args.init)
+    for f in ("config.json", "model.safetensors"):
+        if not (init / f).is_file():
+            raise SystemExit(f"--init {init}: no {f} (expected a drafter checkpoint directory)")
+    cfg = json.loads((init / "config.json").read_text())
+    have = {"--layers": cfg.get("num_hidden_layers"), "--block-size": cfg.get("block_size"),
+            "--target-layer-ids": (cfg.get("dflash_config") or {}).get("target_layer_ids")}
+    want = {"--layers": args.layers, "--block-size": args.block_size,
+            "--target-layer-ids": list(args.target_layer_ids)}
+    bad = [f"{k} {want[k]} (checkpoint: {have[k]})" for k in want if have[k] != want[k]]
+    if bad:
+        raise SystemExit(f"--init {init} does not match this run: " + "; ".join(bad))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -308,6 +338,8 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     t0 = time.time()
+    if args.init:
+        check_init(args)
     from tokenizers import Tokenizer
     from transformers import Qwen3ForCausalLM
 

@@ -34,7 +34,8 @@ def _name(backend: Any) -> str | None:
 
 def tree_attention_backend(platform: str, named: Any = None,
                            per_kind: dict[str, Any] | None = None,
-                           kv_cache_dtype: str = "auto") -> str:
+                           kv_cache_dtype: str = "auto",
+                           option: str = "attention_backend") -> str:
     """The backend a DDTree engine must use on ``platform``; refuse any other the user named.
 
     Pure function (no vLLM import) so that the CUDA rules can be tested on any machine.
@@ -45,6 +46,8 @@ def tree_attention_backend(platform: str, named: Any = None,
             name string, ``"auto"`` or ``None``).
         per_kind: the user's ``attention_config.backend_per_kind`` (kind -> backend).
         kv_cache_dtype: ``cache_config.cache_dtype`` / ``--kv-cache-dtype``.
+        option: how the user named ``named`` (for the error message), e.g.
+            ``"attention_config.backend"``.
 
     Returns:
         The ``AttentionBackendEnum`` member name (``"CPU_ATTN"`` or ``"TRITON_ATTN"``).
@@ -62,8 +65,8 @@ def tree_attention_backend(platform: str, named: Any = None,
     user = _name(named)
     if user not in (None, "AUTO", required):
         raise DDTreeConfigError(
-            f"attention_backend={user} cannot verify DDTree draft trees (per-request tree masks); "
-            f"on {platform} DDTree uses {required}: leave attention_backend unset or set it to "
+            f"{option}={user} cannot verify DDTree draft trees (per-request tree masks); "
+            f"on {platform} DDTree uses {required}: leave {option} unset or set it to "
             f"{required}"
         )
     for kind, backend in (per_kind or {}).items():
@@ -102,7 +105,7 @@ def check_tree_attention_backend(engine_args: Any, platform: str) -> str:
         The selected backend name.
 
     Raises:
-        DDTreeConfigError: see :func:`tree_attention_backend`.
+        DDTreeConfigError: an unknown backend name, or see :func:`tree_attention_backend`.
     """
     from vllm.config import AttentionConfig
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -110,12 +113,15 @@ def check_tree_attention_backend(engine_args: Any, platform: str) -> str:
     attention_config = engine_args.attention_config
     if isinstance(attention_config, dict):
         attention_config = engine_args.attention_config = AttentionConfig(**attention_config)
-    named = engine_args.attention_backend
+    named, option = engine_args.attention_backend, "attention_backend"
     if named is None:
-        named = attention_config.backend
+        named, option = attention_config.backend, "attention_config.backend"
+    user = _name(named)
+    if user not in (None, "AUTO") and user not in AttentionBackendEnum.__members__:
+        raise DDTreeConfigError(f"{option}={named!r} is not an attention backend of vLLM")
     required = tree_attention_backend(
         platform, named, attention_config.backend_per_kind,
-        getattr(engine_args, "kv_cache_dtype", "auto"),
+        getattr(engine_args, "kv_cache_dtype", "auto"), option,
     )
     if platform != "cpu" and engine_args.attention_backend is None and (
             attention_config.backend is None):
