@@ -1,0 +1,1 @@
+"""Test-only support code (not part of the ``vllm_ddtree`` wheel)."""
