@@ -104,6 +104,23 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._logits: torch.Tensor | None = None
         self._tree_tokens = torch.zeros(self.max_num_reqs, self.num_verify_slots,
                                         dtype=torch.int64, device=device)
+        self._cache_layers: dict[str, tuple[Any, torch.Tensor]] | None = None
+        from vllm_ddtree.attention.cuda import (
+            allocate_engine_tree_masks,
+            check_cudagraph_mode,
+            engine_uses_tree_mask_buffers,
+            install_tree_mask_buffers,
+        )
+
+        # The Triton tree backend (CUDA) reads static mask buffers, allocated here, before any
+        # CUDA-graph capture (the runner builds its speculator in __init__).
+        self.uses_tree_mask_buffers = engine_uses_tree_mask_buffers()
+        if self.uses_tree_mask_buffers:
+            check_cudagraph_mode(vllm_config.compilation_config.cudagraph_mode)
+            sched = vllm_config.scheduler_config
+            install_tree_mask_buffers(allocate_engine_tree_masks(
+                sched.max_num_seqs, ddtree.budget, device,
+                max_tree_tokens=sched.max_num_batched_tokens))
         logger.info("DDTree speculator (Model Runner V2): node budget B=%d, drafter horizon "
                     "L=%d, %d draft rows per request", ddtree.budget, ddtree.drafter_horizon,
                     self.num_verify_slots)
@@ -188,6 +205,29 @@ class DDTreeSpeculator(DFlashSpeculator):
         out.copy_(host)
         return out
 
+    def target_cache_layers(self) -> dict[str, tuple[Any, torch.Tensor]]:
+        """``name -> (impl, kv_cache)`` of the target's tree-attention layers that own a KV cache
+        (CUDA KV compaction inside the caches); the drafter's and KV-sharing layers are left
+        out (a second copy into a shared cache would read moved slots)."""
+        if self._cache_layers is None:
+            from vllm_ddtree.attention.cuda import DDTreeTritonAttentionImpl
+
+            layers, seen = {}, set()
+            context = self.vllm_config.compilation_config.static_forward_context
+            for name, layer in context.items():
+                impl = getattr(layer, "impl", None)
+                if (name in self.draft_attn_layer_names
+                        or not isinstance(impl, DDTreeTritonAttentionImpl)
+                        or impl.attn_type != "decoder" or impl.kv_sharing_target_layer_name):
+                    continue
+                kv_cache = layer.kv_cache
+                if kv_cache.data_ptr() in seen:
+                    continue
+                seen.add(kv_cache.data_ptr())
+                layers[name] = (impl, kv_cache)
+            self._cache_layers = layers
+        return self._cache_layers
+
     def build_trees(self, req_ids: list[str], log_probs: torch.Tensor) -> list[DraftTree]:
         """Best-first draft trees (paper Alg. 1) from ``[R, L, V]`` float32 drafter log-probs."""
         self.last_log_probs = log_probs
@@ -212,10 +252,14 @@ class DDTreeModelStateMixin:
 
         publish_tree_batch(None)  # a forward never inherits an earlier step's trees
         self.ddtree_step = None
+        spec = self.ddtree_speculator
+        if spec is not None and spec.uses_tree_mask_buffers:
+            from vllm_ddtree.attention.cuda import clear_tree_masks
+
+            clear_tree_masks()
         metadata = super().prepare_attn(input_batch, cudagraph_mode, block_tables,  # type: ignore[misc]
                                         slot_mappings, attn_groups, kv_cache_config,
                                         for_capture, *args, **kwargs)
-        spec = self.ddtree_speculator
         if for_capture or spec is None or not input_batch.num_draft_tokens:
             return metadata
         step = plan_v2_step(input_batch, spec.trees, slot_mappings.device)
@@ -237,6 +281,16 @@ class DDTreeModelStateMixin:
             input_batch.positions[step.position_rows] = step.tree_positions
         if step.attn_batch.requests:
             publish_tree_batch(step.attn_batch)
+            spec = self.ddtree_speculator
+            if spec is not None and spec.uses_tree_mask_buffers:
+                from vllm_ddtree.attention.cuda import publish_tree_masks
+
+                # In place, before the forward: a captured graph reads these buffers.
+                num_reqs = input_batch.num_reqs
+                publish_tree_masks(step.attn_batch.requests,
+                                   input_batch.query_start_loc_np[: num_reqs + 1].tolist(),
+                                   num_reqs)
+                step.cache_layers = spec.target_cache_layers()
         return out
 
     def custom_sampler(self, sampler: Any) -> tuple[Any, Any]:
@@ -304,6 +358,11 @@ class DDTreeVerifier:
 
         publish_tree_batch(None)
         step, self.model_state.ddtree_step = self.model_state.ddtree_step, None
+        spec = self.model_state.ddtree_speculator
+        if spec is not None and spec.uses_tree_mask_buffers:
+            from vllm_ddtree.attention.cuda import clear_tree_masks
+
+            clear_tree_masks()
         sampler = self.sampler
         num_nans = get_num_nans(logits) if sampler.compute_nans else None
         rows = input_batch.logits_indices
@@ -318,7 +377,6 @@ class DDTreeVerifier:
             input_batch.positions[step.position_rows] = step.chain_positions
         cu = input_batch.cu_num_logits_np
         num_reqs = input_batch.num_reqs
-        spec = self.model_state.ddtree_speculator
         width = spec.num_verify_slots + 1 if spec is not None else int(np.max(np.diff(cu)))
         host_choices = choices.view(-1).tolist()
         sampled = torch.zeros(num_reqs, width, dtype=torch.int64)
@@ -358,8 +416,8 @@ class DDTreeVerifier:
         sampled = sampled.to(device)
         if step is not None:
             commit_v2_step(step)
-            if self.model_state.ddtree_speculator is not None:
-                self.model_state.ddtree_speculator.last_step = step
+            if spec is not None:
+                spec.last_step = step
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs,
                              num_nans=num_nans, num_sampled=num_sampled, num_rejected=num_rejected)
 
