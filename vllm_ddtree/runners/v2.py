@@ -69,20 +69,16 @@ class DDTreeSpeculator(DFlashSpeculator):
         last_log_probs: ``[R, L, V]`` float32 drafter log-probs of the last pass.
 
     Raises:
-        DDTreeConfigError: the budget cannot run with these scheduler settings, or the target is
-            hybrid (the tree oracle is wired to V1 only in this version).
+        DDTreeConfigError: the budget cannot run with these scheduler settings.
     """
 
     def __init__(self, vllm_config: Any, device: torch.device):
         ddtree = get_ddtree_config(vllm_config)
         if ddtree is None:
             raise ValueError("DDTreeSpeculator needs additional_config['ddtree']")
-        if getattr(vllm_config.model_config, "is_hybrid", False):
-            raise DDTreeConfigError(
-                "speculative method 'ddtree' on vLLM's Model Runner V2 does not support hybrid "
-                "(recurrent-layer) targets yet; run them on the V1 runner with "
-                "VLLM_USE_V2_MODEL_RUNNER=0")
         self.ddtree: DDTreeConfig = ddtree
+        #: Recurrent layers run the sequential tree oracle (every speculative row of the target).
+        self.hybrid = bool(getattr(vllm_config.model_config, "is_hybrid", False))
         self.num_verify_slots = int(vllm_config.speculative_config.num_speculative_tokens)
         fillable = count_prefixes(vllm_config.model_config.get_vocab_size(),
                                   ddtree.drafter_horizon, ddtree.max_children, ddtree.budget)
@@ -243,15 +239,26 @@ class DDTreeModelStateMixin:
 
     ddtree_speculator: DDTreeSpeculator | None = None
     ddtree_step: TreeStep | None = None
+    ddtree_hybrid_ctx: Any = None
+    _ddtree_real_step = False
+
+    def preprocess_state(self, *args: Any, **kwargs: Any) -> None:
+        """vLLM's hook, run on real batches only (never dummy or capture runs): marks the
+        step's forward as one that verifies (``ModelState.preprocess_state``, V2)."""
+        super().preprocess_state(*args, **kwargs)  # type: ignore[misc]
+        self._ddtree_real_step = True
 
     def prepare_attn(self, input_batch: Any, cudagraph_mode: Any, block_tables: Any,
                      slot_mappings: torch.Tensor, attn_groups: Any, kv_cache_config: Any,
                      for_capture: bool = False, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """vLLM's metadata, then this step's plan (``ModelState.prepare_attn``, V2)."""
         from vllm_ddtree.attention.common import publish_tree_batch
+        from vllm_ddtree.hybrid.context import publish_hybrid_context
 
         publish_tree_batch(None)  # a forward never inherits an earlier step's trees
-        self.ddtree_step = None
+        publish_hybrid_context(None)
+        self.ddtree_step = self.ddtree_hybrid_ctx = None
+        real, self._ddtree_real_step = self._ddtree_real_step, False
         spec = self.ddtree_speculator
         if spec is not None and spec.uses_tree_mask_buffers:
             from vllm_ddtree.attention.cuda import clear_tree_masks
@@ -260,18 +267,26 @@ class DDTreeModelStateMixin:
         metadata = super().prepare_attn(input_batch, cudagraph_mode, block_tables,  # type: ignore[misc]
                                         slot_mappings, attn_groups, kv_cache_config,
                                         for_capture, *args, **kwargs)
-        if for_capture or spec is None or not input_batch.num_draft_tokens:
+        if for_capture or not real or spec is None:
             return metadata
-        step = plan_v2_step(input_batch, spec.trees, slot_mappings.device)
+        step = None
+        if input_batch.num_draft_tokens:
+            step = plan_v2_step(input_batch, spec.trees, slot_mappings.device)
         if step is not None:
             step.slot_mappings = build_slot_mappings_by_layer(slot_mappings, kv_cache_config)
         self.ddtree_step = step
+        if spec.hybrid:  # every real forward: vLLM's speculative recurrent path is replaced
+            self.ddtree_hybrid_ctx = hybrid_context(step, input_batch)
         return metadata
 
     def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
         """Depth positions for the tree rows (in place: a captured graph reads this buffer) and
         the tree batch published to the attention backends, for the target's forward."""
         out = super().prepare_inputs(input_batch, req_states)  # type: ignore[misc]
+        if self.ddtree_hybrid_ctx is not None:
+            from vllm_ddtree.hybrid.context import publish_hybrid_context
+
+            publish_hybrid_context(self.ddtree_hybrid_ctx)
         step = self.ddtree_step
         if step is None:
             return out
@@ -296,6 +311,21 @@ class DDTreeModelStateMixin:
     def custom_sampler(self, sampler: Any) -> tuple[Any, Any]:
         """Keep vLLM's sampler; verification is :class:`DDTreeVerifier` (V2 ``custom_sampler``)."""
         return sampler, DDTreeVerifier(sampler, self)
+
+
+def hybrid_context(step: TreeStep | None, input_batch: Any) -> Any:
+    """The recurrent-layer oracle's context for one V2 forward: each tree request's parents,
+    with V2's padding rows past the tree (``B < K``) as never-accepted children of the root."""
+    from vllm_ddtree.hybrid.context import HybridTreeContext
+
+    parents = {}
+    for r in (step.requests if step is not None else []):
+        if not r.is_tree:
+            continue
+        rows = int(input_batch.num_draft_tokens_per_req[r.batch_index]) + 1
+        pad = torch.zeros(rows - r.num_rows, dtype=r.tree.parents.dtype)
+        parents[r.batch_index] = torch.cat([r.tree.parents, pad])
+    return HybridTreeContext(parents)
 
 
 def plan_v2_step(input_batch: Any, trees: dict[str, DraftTree],
@@ -355,9 +385,12 @@ class DDTreeVerifier:
         from vllm.v1.worker.gpu.metrics.logits import get_num_nans
 
         from vllm_ddtree.attention.common import publish_tree_batch
+        from vllm_ddtree.hybrid.context import publish_hybrid_context
 
         publish_tree_batch(None)
+        publish_hybrid_context(None)
         step, self.model_state.ddtree_step = self.model_state.ddtree_step, None
+        hybrid_ctx, self.model_state.ddtree_hybrid_ctx = self.model_state.ddtree_hybrid_ctx, None
         spec = self.model_state.ddtree_speculator
         if spec is not None and spec.uses_tree_mask_buffers:
             from vllm_ddtree.attention.cuda import clear_tree_masks
@@ -415,17 +448,21 @@ class DDTreeVerifier:
                 logits_mode=sampler.logprobs_mode in ("raw_logits", "processed_logits"))
         sampled = sampled.to(device)
         if step is not None:
-            commit_v2_step(step)
+            commit_v2_step(step, hybrid_ctx)
             if spec is not None:
                 spec.last_step = step
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs,
                              num_nans=num_nans, num_sampled=num_sampled, num_rejected=num_rejected)
 
 
-def commit_v2_step(step: TreeStep) -> None:
-    """KV compaction of the verified step (:mod:`vllm_ddtree.commit`): from the K/V the CPU
-    tree backend recorded, or inside each cache on CUDA."""
-    from vllm_ddtree.commit import compact_kv, compact_kv_in_cache
+def commit_v2_step(step: TreeStep, hybrid_ctx: Any = None) -> None:
+    """Commit the verified step (:mod:`vllm_ddtree.commit`): KV compaction (from the K/V the CPU
+    tree backend recorded, or inside each cache on CUDA) and, for hybrid targets, the accepted
+    paths' recurrent and conv state where V2's chain bookkeeping reads it."""
+    from vllm_ddtree.commit import compact_kv, compact_kv_in_cache, relayout_recurrent
+
+    if hybrid_ctx is not None:
+        relayout_recurrent(hybrid_ctx, step.requests)
 
     if step.attn_batch.recorded_kv:
         compact_kv(step.attn_batch, step.requests, step.slot_mappings)
