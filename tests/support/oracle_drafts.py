@@ -87,3 +87,30 @@ def install_v2(oracle: OracleDrafts) -> Callable[[], None]:
         DDTreeSpeculator.build_trees = original
 
     return remove
+
+
+def write_oracle_file(path: str, references: Mapping[tuple[int, ...], Sequence[int]],
+                      sidestep: int) -> str:
+    """Save what :func:`install_v2_from_file` needs (for spawned worker processes)."""
+    import json
+
+    with open(path, "w") as f:
+        json.dump({"references": [[list(p), list(o)] for p, o in references.items()],
+                   "sidestep": int(sidestep)}, f)
+    return path
+
+
+def sidestep_ranks(period: int) -> Callable[[int, int], int]:
+    """Rank 1 for the target's token at output indices ``i % period == period // 2`` (accepted
+    paths leave the top-1 spine there), rank 0 elsewhere; ``period`` 0: always rank 0."""
+    return lambda depth, index: 1 if period and index % period == period // 2 else 0
+
+
+def install_v2_from_file(path: str) -> Callable[[], None]:
+    """:func:`install_v2` with the oracle a :func:`write_oracle_file` file describes."""
+    import json
+
+    with open(path) as f:
+        data = json.load(f)
+    refs = {tuple(p): o for p, o in data["references"]}
+    return install_v2(OracleDrafts(refs, sidestep_ranks(data["sidestep"])))

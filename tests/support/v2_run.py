@@ -19,13 +19,20 @@ Spec (all keys but ``configs`` optional)::
         "dtype": "float32", "max_model_len": 512, "max_num_seqs": 4,
         "max_num_batched_tokens": 32, "enable_chunked_prefill": true,
         "enforce_eager": true, "tensor_parallel_size": 2,
-        "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}]}   # set for this config only
+        "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},   # set for this config only
+        # test-only hooks, for DDTree configs:
+        "oracle": {"from": "target-only", "sidestep": 3},  # drafts from an earlier config's
+                                 # output (tests.support.oracle_drafts; sidestep > 0 puts the
+                                 # target's token at rank 1 every `sidestep` tokens)
+        "disable": ["kv_compaction", "recurrent_relayout"],  # power checks: must then differ
+        "triton_tree_backend": true}]}  # the CUDA tree backend registered for CPU_ATTN
 
 Result::
 
     {"v2": true, "expected_runner": "vllm.v1.worker.cpu.model_runner.CPUModelRunner",
      "configs": [{"name": ..., "runners": ["<module>.<class>" per worker],
                   "token_ids": [[...] per prompt], "prompt_lens": [int per prompt],
+                  "prompt_token_ids": [[...] per prompt],
                   "logprobs": [[[[token_id, logprob], ...] per position] per prompt] or null,
                   "spec": {"num_drafts": int, "num_draft_tokens": int,
                            "num_accepted_tokens": int, "accepted_per_pos": [int, ...]},
@@ -67,13 +74,16 @@ _SPEC_METRICS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
     "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+    "vllm:num_preemptions": "num_preemptions",
 }
 _PER_POS_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos"
 #: Result fields of a config that produced nothing.
-_EMPTY = {"runners": None, "token_ids": None, "prompt_lens": None, "logprobs": None, "spec": None,
+_EMPTY = {"runners": None, "token_ids": None, "prompt_lens": None, "prompt_token_ids": None,
+          "logprobs": None, "spec": None,
           "build_s": None, "generate_s": None}
 #: Config keys that are not ``vllm.LLM`` keyword arguments.
-_OWN_KEYS = ("name", "target", "prompts", "sampling", "env")
+_OWN_KEYS = ("name", "target", "prompts", "sampling", "env", "oracle", "disable",
+             "triton_tree_backend")
 
 
 class V2RunError(RuntimeError):
@@ -177,7 +187,47 @@ def _delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _run_config(i: int, cfg: dict[str, Any], expected_runner: str) -> dict[str, Any]:
+def _test_hooks(cfg: dict[str, Any], done: list[dict[str, Any]]) -> list:
+    """Install a config's test-only hooks; returns the functions that remove them."""
+    undo = []
+    oracle = cfg.get("oracle")
+    if oracle:
+        from tests.support.oracle_drafts import install_v2_from_file, write_oracle_file
+
+        src = next(r for r in done if r["name"] == oracle["from"])
+        refs = {tuple(p): o for p, o in zip(src["prompt_token_ids"], src["token_ids"])}
+        path = write_oracle_file(tempfile.mktemp(suffix=".json"), refs,
+                                 int(oracle.get("sidestep", 0)))
+        undo.append(install_v2_from_file(path))
+        os.environ["DDTREE_TEST_ORACLE_FILE"] = path  # spawned workers: v2_site installs it
+        undo.append(lambda: os.environ.pop("DDTREE_TEST_ORACLE_FILE", None))
+    for what in cfg.get("disable", ()):
+        import vllm_ddtree.commit as commit
+        import vllm_ddtree.runners.v2 as v2
+
+        owner, attr = {"kv_compaction": (v2, "commit_v2_step"),
+                       "recurrent_relayout": (commit, "relayout_recurrent")}[what]
+        original = getattr(owner, attr)
+        if what == "kv_compaction":  # keep the recurrent re-layout, skip only the KV moves
+            def skip(step, hybrid_ctx=None, _orig=original):
+                if hybrid_ctx is not None:
+                    commit.relayout_recurrent(hybrid_ctx, step.requests)
+            setattr(owner, attr, skip)
+        else:
+            setattr(owner, attr, lambda *a, **k: None)
+        undo.append(lambda owner=owner, attr=attr, original=original:
+                    setattr(owner, attr, original))
+    if cfg.get("triton_tree_backend"):
+        from tests.support.triton_cpu import triton_backend_on_cpu
+
+        ctx = triton_backend_on_cpu()
+        ctx.__enter__()
+        undo.append(lambda: ctx.__exit__(None, None, None))
+    return undo
+
+
+def _run_config(i: int, cfg: dict[str, Any], expected_runner: str,
+                done: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -186,7 +236,9 @@ def _run_config(i: int, cfg: dict[str, Any], expected_runner: str) -> dict[str, 
     res: dict[str, Any] = {"name": cfg.get("name", f"config{i}"), **_EMPTY, "error": None}
     llm = None
     saved_env: dict[str, str | None] = {}
+    undo: list = []
     try:
+        undo = _test_hooks(cfg, done or [])
         import vllm.envs as envs
         from vllm import LLM
 
@@ -215,6 +267,7 @@ def _run_config(i: int, cfg: dict[str, Any], expected_runner: str) -> dict[str, 
         res["spec"] = _delta(before, _spec_counters(llm))
         res["token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
         res["prompt_lens"] = [len(o.prompt_token_ids) for o in outs]
+        res["prompt_token_ids"] = [list(o.prompt_token_ids) for o in outs]
         if params.logprobs is not None:
             res["logprobs"] = [
                 [sorted(([t, lp.logprob] for t, lp in pos.items()), key=lambda x: -x[1])
@@ -227,6 +280,8 @@ def _run_config(i: int, cfg: dict[str, Any], expected_runner: str) -> dict[str, 
         if llm is not None:
             release_llm(llm)
             del llm
+        for fn in reversed(undo):
+            fn()
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -251,7 +306,7 @@ def main(argv: list[str]) -> int:
     expected = V2_RUNNER if v2 else V1_RUNNER
     results: list[dict[str, Any]] = []
     for i, cfg in enumerate(spec["configs"]):
-        results.append(_run_config(i, cfg, expected))
+        results.append(_run_config(i, cfg, expected, results))
         # Written after every config: a later crash (or timeout) keeps the finished ones.
         tmp = Path(argv[1] + ".tmp")
         tmp.write_text(json.dumps({"v2": v2, "expected_runner": expected, "configs": results}))

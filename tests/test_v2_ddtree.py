@@ -1,0 +1,167 @@
+"""DDTree on vLLM's Model Runner V2 (CPU harness, Triton interpreted): every path equal to
+target-only decoding on the same model, with drafts that are accepted.
+
+A random drafter accepts nothing, so most configs draft from the target's own continuation
+(``oracle``: :mod:`tests.support.oracle_drafts`, installed in the V2 subprocess by
+:mod:`tests.support.v2_run`), with the target's token at rank 1 every third token so that
+accepted paths leave the top-1 spine and KV compaction / the recurrent re-layout have work to
+do. Power checks: the same configs with the commit disabled must differ from target-only.
+All configs of a module run in one subprocess (V2 is chosen before vLLM is imported).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.support.v2_run import V2_RUNNER, run_v2
+
+PROMPTS = ["def main():\n", "import os\nimport sys\n", "class Foo:\n    def __init__(self):",
+           "x = [i * 2 for i in range(10)]\nprint("]
+ENGINE = {"max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 256}
+TOKENS = 24
+GREEDY = {"temperature": 0.0, "max_tokens": TOKENS, "ignore_eos": True}
+# Seeded sampling: V2 draws a node's token from (seed, position) as target-only decoding does,
+# so the outputs are equal token for token. No top-k/top-p: vLLM's Triton top-k/top-p kernel
+# does not run under Triton's interpreter.
+SEEDED = {"temperature": 0.9, "min_p": 0.02, "seed": 1234, "max_tokens": TOKENS, "ignore_eos": True}
+ORACLE = {"from": None, "sidestep": 3}
+
+
+def _ddtree(name, target, drafter, budget, ref, dtype="float32", sampling=GREEDY, **extra):
+    return {"name": name, "target": str(target), "prompts": PROMPTS, "dtype": dtype,
+            "sampling": sampling, **ENGINE,
+            "speculative_config": {"method": "ddtree", "model": str(drafter),
+                                   "ddtree_budget": budget},
+            "oracle": {**ORACLE, "from": ref}, **extra}
+
+
+def _target(name, target, dtype="float32", sampling=GREEDY, **extra):
+    return {"name": name, "target": str(target), "prompts": PROMPTS, "dtype": dtype,
+            "sampling": sampling, **ENGINE, **extra}
+
+
+def _ok(r: dict) -> dict:
+    assert r["error"] is None, f"[{r['name']}] {r['error']}"
+    assert r["runners"] == [V2_RUNNER], r["runners"]
+    return r
+
+
+def _deep(spec: dict) -> bool:
+    """Accepted paths of depth >= 3 (more than the drafter's spine at rank 0 would need)."""
+    per_pos = spec["accepted_per_pos"]
+    return spec["num_accepted_tokens"] > 0 and len(per_pos) > 2 and per_pos[2] > 0
+
+
+@pytest.fixture(scope="module")
+def attention_runs(qwen3_target, dflash_drafter) -> dict:
+    t, d = qwen3_target, dflash_drafter
+    configs = [
+        _target("ref", t, sampling={**GREEDY, "logprobs": 2}),
+        _ddtree("B16", t, d, 16, "ref", sampling={**GREEDY, "logprobs": 2}),
+        _ddtree("B9-padded", t, d, 9, "ref"),  # K = max(B, L) = 15 rows: 6 padding rows
+        _ddtree("B16-no-compaction", t, d, 16, "ref", disable=["kv_compaction"]),
+        _target("ref-seeded", t, sampling=SEEDED),
+        _ddtree("B16-seeded", t, d, 16, "ref-seeded", sampling=SEEDED),
+        _ddtree("B16-triton-tree", t, d, 16, "ref", triton_tree_backend=True),
+    ]
+    t0 = time.perf_counter()
+    out = {c["name"]: c for c in run_v2({"configs": configs}, timeout=1800)["configs"]}
+    print(f"\nV2 attention runs: {time.perf_counter() - t0:.0f} s; " + ", ".join(
+        f"{n} ({c['build_s']}, {c['generate_s']})" for n, c in out.items()))
+    return out
+
+
+@pytest.mark.parametrize("name", ["B16", "B9-padded", "B16-triton-tree"])
+def test_v2_greedy_equals_target_only(attention_runs, name):
+    """Greedy DDTree on V2 = target-only, with deep accepted paths off the spine; node budgets
+    above and below the drafter horizon (padding rows); the CUDA tree backend's code path (its
+    Triton kernel interpreted, KV compaction inside the cache) as well as the CPU one."""
+    ref, got = _ok(attention_runs["ref"]), _ok(attention_runs[name])
+    assert got["token_ids"] == ref["token_ids"]
+    assert _deep(got["spec"]), got["spec"]
+
+
+def test_v2_logprobs_equal_target_only(attention_runs):
+    """Logprobs of every emitted token (sampled + top-2) equal target-only's."""
+    ref, got = _ok(attention_runs["ref"]), _ok(attention_runs["B16"])
+    for a, b in zip(ref["logprobs"], got["logprobs"]):
+        assert len(a) == len(b) == TOKENS
+        for pa, pb in zip(a, b):
+            assert [t for t, _ in pa] == [t for t, _ in pb]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(pa, pb)) < 1e-4
+
+
+def test_v2_seeded_sampling_equals_target_only(attention_runs):
+    """T > 0 with seeds: the same tokens as target-only decoding (V2 keys each draw by the
+    request's seed and the position, and a node is drawn at its depth position)."""
+    ref, got = _ok(attention_runs["ref-seeded"]), _ok(attention_runs["B16-seeded"])
+    assert ref["token_ids"] != _ok(attention_runs["ref"])["token_ids"]  # really sampled
+    assert got["token_ids"] == ref["token_ids"]
+    assert got["spec"]["num_accepted_tokens"] > 0, got["spec"]
+
+
+def test_v2_power_check_without_kv_compaction(attention_runs):
+    """Without KV compaction the same run leaves target-only (the equality tests can fail)."""
+    assert _ok(attention_runs["B16-no-compaction"])["token_ids"] != attention_runs["ref"]["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def hybrid_runs(nemotron_h_pair, qwen3_next_target, qwen3_next_dflash_drafter) -> dict:
+    nt, nd = nemotron_h_pair
+    qt, qd = qwen3_next_target, qwen3_next_dflash_drafter
+    configs = [
+        _target("nemotron-ref", nt),
+        _ddtree("nemotron-B16", nt, nd, 16, "nemotron-ref"),
+        _ddtree("nemotron-B16-no-relayout", nt, nd, 16, "nemotron-ref",
+                disable=["recurrent_relayout"]),
+        _target("qwen3next-ref", qt, dtype="bfloat16"),
+        _ddtree("qwen3next-B9", qt, qd, 9, "qwen3next-ref", dtype="bfloat16"),
+    ]
+    t0 = time.perf_counter()
+    out = {c["name"]: c for c in run_v2({"configs": configs}, timeout=1800)["configs"]}
+    print(f"\nV2 hybrid runs: {time.perf_counter() - t0:.0f} s; " + ", ".join(
+        f"{n} ({c['build_s']}, {c['generate_s']})" for n, c in out.items()))
+    return out
+
+
+@pytest.mark.parametrize("model,name", [("nemotron", "nemotron-B16"), ("qwen3next", "qwen3next-B9")])
+def test_v2_hybrid_equals_target_only(hybrid_runs, model, name):
+    """Hybrid targets on V2 (Mamba2: Nemotron-H fp32; GatedDeltaNet: Qwen3-Next bf16, B < K so
+    padding rows reach the recurrent layers): the sequential tree oracle keeps greedy output
+    equal to target-only with accepted paths off the spine."""
+    ref, got = _ok(hybrid_runs[f"{model}-ref"]), _ok(hybrid_runs[name])
+    assert got["token_ids"] == ref["token_ids"]
+    assert got["spec"]["num_accepted_tokens"] > 0, got["spec"]
+
+
+def test_v2_hybrid_power_check_without_relayout(hybrid_runs):
+    """Without the recurrent re-layout of the accepted path the output leaves target-only."""
+    got = _ok(hybrid_runs["nemotron-B16-no-relayout"])
+    assert got["token_ids"] != hybrid_runs["nemotron-ref"]["token_ids"]
+
+
+@pytest.mark.slow
+def test_v2_preemption_and_tensor_parallel(qwen3_target, dflash_drafter):
+    """A KV cache too small for the batch (vLLM preempts and recomputes) and TP = 2 (mp
+    executor, harness in the spawned workers): DDTree on V2 stays equal to target-only."""
+    t, d = qwen3_target, dflash_drafter
+    small = {"block_size": 32, "num_gpu_blocks_override": 12}
+    long_greedy = {**GREEDY, "max_tokens": 100}
+    tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp",
+           "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+    configs = [
+        _target("ref-small", t, sampling=long_greedy, **small),
+        _ddtree("B16-small", t, d, 16, "ref-small", sampling=long_greedy, **small),
+        _target("ref", t),
+        _ddtree("tp2-B16", t, d, 16, "ref", **tp2),
+    ]
+    out = {c["name"]: c for c in run_v2({"configs": configs}, timeout=2400)["configs"]}
+    ref, got = _ok(out["ref-small"]), _ok(out["B16-small"])
+    assert got["token_ids"] == ref["token_ids"]
+    assert got["spec"]["num_preemptions"] > 0, "the KV cache did not force preemption"
+    tp = out["tp2-B16"]
+    assert tp["error"] is None and len(tp["runners"]) == 2, tp
+    assert tp["token_ids"] == _ok(out["ref"])["token_ids"]
+    assert tp["spec"]["num_accepted_tokens"] > 0
