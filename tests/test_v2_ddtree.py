@@ -49,9 +49,10 @@ def _ok(r: dict) -> dict:
 
 
 def _deep(spec: dict) -> bool:
-    """Accepted paths of depth >= 3 (more than the drafter's spine at rank 0 would need)."""
+    """Accepted paths of two or more drafts. With the target's token at rank 1 every third
+    position, most such paths pass a rank-1 node: they leave the top-1 spine."""
     per_pos = spec["accepted_per_pos"]
-    return spec["num_accepted_tokens"] > 0 and len(per_pos) > 2 and per_pos[2] > 0
+    return spec["num_accepted_tokens"] > 0 and len(per_pos) > 1 and per_pos[1] > 0
 
 
 @pytest.fixture(scope="module")
