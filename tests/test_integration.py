@@ -189,12 +189,27 @@ def test_register_entries_are_well_formed():
     assert {c.kind for c in integration.REGISTER} == set(integration.KINDS)
 
 
-def test_patch_needs_a_register_entry():
+def test_patches_feed_the_register(monkeypatch):
+    """A patch of an unlisted target adds its entry; without expectations the install check
+    names it (and the plugin would change nothing)."""
     from vllm_ddtree import patches
 
-    with pytest.raises(KeyError, match="not in vllm_ddtree.integration.REGISTER"):
-        patches.patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.execute_model")(
-            lambda original: original)
+    monkeypatch.setattr(integration, "REGISTER", list(integration.REGISTER))
+    runner = "vllm.v1.worker.gpu_model_runner"
+    patches.patch(runner, "GPUModelRunner.execute_model")(lambda original: original)
+    blind = integration.get(f"{runner}:GPUModelRunner.execute_model")
+    assert blind.kind == "patch" and blind.site == "tests/test_integration.py"
+    assert integration.check_installed("0.32.0", "cpu", [blind]) == [
+        f"{blind.target}: the register has no expectation for vLLM 0.32.0"]
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    sig = integration.live_signature(GPUModelRunner.__dict__["sample_tokens"])
+    patches.patch(runner, "GPUModelRunner.sample_tokens", why="test",
+                  signatures={"0.32.0": sig, "0.33.0": sig})(lambda original: original)
+    declared = integration.get(f"{runner}:GPUModelRunner.sample_tokens")
+    assert declared.why == "test" and declared.make_wrapper is not None
+    assert integration.check_installed("0.32.0", "cpu", [declared]) == []
+
     with pytest.raises(KeyError, match="registered as 'dependency', not as a patch"):
         patches.patch("vllm.v1.spec_decode.dflash", "DFlashProposer.propose")(lambda o: o)
     with pytest.raises(ValueError, match="cpu_only=True"):
@@ -202,6 +217,14 @@ def test_patch_needs_a_register_entry():
                       cpu_only=True)(lambda o: o)
     with pytest.raises(ValueError, match="patched twice"):
         patches.patch("vllm.engine.arg_utils", "EngineArgs.create_engine_config")(lambda o: o)
+    with pytest.raises(ValueError, match="declared in the register already"):
+        patches.patch("vllm.engine.arg_utils", "EngineArgs.create_engine_config",
+                      why="again")(lambda o: o)
+
+
+def test_every_patch_in_the_package_is_bound():
+    import vllm_ddtree.patches  # noqa: F401
+
     assert all(c.make_wrapper is not None for c in integration.entries("patch"))
 
 

@@ -24,10 +24,15 @@ without importing them (:func:`check_sources`, :mod:`ast`), which is how a vLLM 
 cannot be installed on this machine (0.33.0 has no CPU build) is checked
 (``tests/test_vllm_033_compat.py``).
 
-Patches are bound to their entry by :func:`vllm_ddtree.patches.patch`; a patch whose target has
-no entry here fails at import. To add a change: add its :class:`Change` below (with the signature
-for every supported version, e.g. from ``python -m vllm_ddtree.integration --sources
-/path/to/vllm-X.Y.Z``), then make it at its site.
+Patches are bound to their entry by :func:`vllm_ddtree.patches.patch`, which also feeds the
+register: a patch of a target not listed below adds its own entry (its ``why=`` and
+``signatures=`` arguments), and one without expected signatures makes the install check fail, so
+the plugin changes nothing rather than patch blind. The other changes go through the helpers
+below (:func:`swapped`, :func:`override_backend`, :func:`register_model`, :func:`bare_instance`,
+:func:`switch_class`), which refuse targets the register does not list. To add a change: add its
+:class:`Change` below, with the signature for every supported version (``python -m
+vllm_ddtree.integration --sources /path/to/src --version X.Y.Z`` prints what differs), then make
+it at its site.
 """
 
 from __future__ import annotations
@@ -178,8 +183,8 @@ REGISTER: list[Change] = [
        both("(self, usage_context=None, headless=False)"), _P),
     _c(f"{_ARGS}:EngineArgs.create_speculative_config", "patch",
        "Translates {'method': 'ddtree', ...} into vLLM's own dflash config plus "
-       "additional_config['ddtree'] (vLLM's SpeculativeConfig refuses an unknown method). On an "
-       "unsupported vLLM only a guard is installed here, so that 'ddtree' fails naming the versions.",
+       "additional_config['ddtree'] (vLLM's SpeculativeConfig refuses an unknown method). When the "
+       "install check fails, only a guard is installed here, so that 'ddtree' fails with its error.",
        both("(self, target_model_config, target_parallel_config)"), _P),
     _c("vllm.v1.engine.input_processor:InputProcessor._validate_params", "patch",
        "Refuses sampling options DDTree cannot honour exactly and lets min-p through (vLLM "
@@ -523,18 +528,36 @@ def get(target: str) -> Change:
 
 
 def bind_patch(module: str, qualname: str, make_wrapper: Callable[[Callable], Callable],
-               cpu_only: bool = False) -> Change:
+               cpu_only: bool = False, *, why: str | None = None,
+               signatures: Mapping[str, str | None] | None = None) -> Change:
     """Attach a patch's wrapper factory to its register entry (called by ``patches.patch``).
 
+    A patch whose target has no entry in the list above adds one (the register is fed by every
+    patch): with ``why`` and ``signatures`` given, a complete entry; without them, an entry
+    with no expected signature, which :func:`verify_installed` reports (the plugin then changes
+    nothing and ``ddtree`` fails naming the target), and which the tests reject.
+
     Raises:
-        KeyError: the target has no entry of kind ``"patch"`` (add one to :data:`REGISTER`).
-        ValueError: ``cpu_only`` disagrees with the entry's platforms, or the target is
-            already bound to another wrapper.
+        KeyError: the target is registered with another kind.
+        ValueError: ``cpu_only`` disagrees with the entry's platforms, the target is bound to
+            another wrapper, or it is declared both in the list and by the patch.
     """
-    change = get(f"{module}:{qualname}")
+    target = f"{module}:{qualname}"
+    platforms = _CPU if cpu_only else ("cpu", "cuda")
+    try:
+        change = get(target)
+    except KeyError:
+        code = getattr(make_wrapper, "__code__", None)
+        site = (os.path.relpath(code.co_filename, Path(__file__).resolve().parents[1])
+                if code is not None else "?")
+        change = Change(target, "patch", why or "", dict(signatures or {}), site, platforms)
+        REGISTER.append(change)
+    else:
+        if why is not None or signatures is not None:
+            raise ValueError(f"{target} is declared in the register already")
     if change.kind != "patch":
         raise KeyError(f"{change.target} is registered as {change.kind!r}, not as a patch")
-    if cpu_only != (change.platforms == _CPU):
+    if change.platforms != platforms:
         raise ValueError(f"{change.target}: cpu_only={cpu_only} but the register says "
                          f"platforms={change.platforms}")
     if change.make_wrapper is not None and change.make_wrapper is not make_wrapper:
@@ -1137,9 +1160,12 @@ def _main(argv: list[str] | None = None) -> int:
         prog="python -m vllm_ddtree.integration",
         description="Print the register, or check it against vLLM sources / the installed vLLM.")
     parser.add_argument("--sources", help="folder holding the vllm package to check by ast")
-    parser.add_argument("--version", help="vLLM version whose expectations apply")
+    parser.add_argument("--version", help="vLLM version whose expectations apply (required "
+                        "with --sources; default with --installed: the installed one)")
     parser.add_argument("--installed", action="store_true", help="check the installed vLLM")
     args = parser.parse_args(argv)
+    if args.sources and not args.version:
+        parser.error("--sources needs --version")
     if args.sources:
         problems, skipped = check_sources(args.sources, args.version or "")
     elif args.installed:

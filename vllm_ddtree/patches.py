@@ -24,7 +24,8 @@ Worker (V1 model runner, ``vllm/v1/worker/gpu_model_runner.py``; the CPU runner 
     selected, a user-named other one refused (:mod:`vllm_ddtree.attention.selection`).
 
 Each patch is an entry of the register (:mod:`vllm_ddtree.integration`, kind ``"patch"``): the
-:func:`patch` decorator binds the wrapper to that entry, and a patch without one fails at import.
+:func:`patch` decorator binds the wrapper to that entry (or adds the entry from its ``why`` and
+``signatures`` arguments).
 :func:`apply_patches` is called by the plugin in every process; it first checks the whole register
 against the installed vLLM (:func:`vllm_ddtree.integration.verify_installed`: a supported version,
 every target present with the recorded signature) and patches nothing otherwise, in which case the
@@ -65,22 +66,27 @@ _MARK = "__vllm_ddtree_patch__"
 
 
 def patch(
-    module: str, qualname: str, cpu_only: bool = False
+    module: str, qualname: str, cpu_only: bool = False, *, why: str | None = None,
+    signatures: dict[str, str | None] | None = None,
 ) -> Callable[[Callable[[Callable], Callable]], Callable]:
-    """Bind ``make_wrapper(original) -> wrapper`` to the register entry of ``module.qualname``
-    (``Class.method``); :func:`apply_patches` installs it.
+    """Bind ``make_wrapper(original) -> wrapper`` for ``module.qualname`` (``Class.method``) to
+    its register entry; :func:`apply_patches` installs it.
 
-    ``cpu_only`` patches are installed on the CPU platform only (they wrap CPU kernels); the
-    register entry's platforms must say the same.
+    ``cpu_only`` patches are installed on the CPU platform only (they wrap CPU kernels). A
+    target not yet listed in :data:`vllm_ddtree.integration.REGISTER` gets an entry from
+    ``why`` and ``signatures`` (supported vLLM version -> expected signature); without them
+    the install check fails naming the target (see
+    :func:`vllm_ddtree.integration.bind_patch`).
 
     Raises:
-        KeyError: ``module:qualname`` has no ``"patch"`` entry in
-            :data:`vllm_ddtree.integration.REGISTER` (add one: why, expected signatures).
-        ValueError: ``cpu_only`` disagrees with the entry, or the target is patched twice.
+        KeyError: the target is registered with another kind.
+        ValueError: ``cpu_only`` disagrees with the entry, the target is patched twice, or it
+            is declared twice.
     """
 
     def deco(make_wrapper: Callable[[Callable], Callable]) -> Callable:
-        integration.bind_patch(module, qualname, make_wrapper, cpu_only)
+        integration.bind_patch(module, qualname, make_wrapper, cpu_only, why=why,
+                               signatures=signatures)
         return make_wrapper
 
     return deco
