@@ -1,4 +1,4 @@
-"""The register: every change vllm-ddtree makes to vLLM or torch, and every vLLM symbol it relies on.
+"""The register: every change vllm-ddtree makes to vLLM or torch, and every vLLM symbol it uses.
 
 vLLM has no hook for a new speculative method, tree verification or KV compaction, so the plugin
 changes vLLM from outside (monkeypatches, attention-backend overrides, a model registration, a
@@ -157,7 +157,6 @@ _RUNNER = "vllm.v1.worker.gpu_model_runner"
 _CPU_GDN = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 _MIXER2 = "vllm.model_executor.layers.mamba.mamba_mixer2"
 _DFLASH = "vllm.v1.spec_decode.dflash"
-_BASE_PROPOSER = "vllm.v1.spec_decode.llm_base_proposer"
 _CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
 _TRITON_ATTN = "vllm.v1.attention.backends.triton_attn"
 _BACKENDS = "vllm.v1.attention.backends.registry"
@@ -166,6 +165,7 @@ _OPS = "vllm._custom_ops"
 _QWEN_GDN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 _SAMPLER = "vllm.v1.sample.sampler"
 _BATCH = "vllm.v1.worker.gpu_input_batch"
+_INT = "vllm_ddtree/integration.py"
 _P, _PL, _V, _PR = ("vllm_ddtree/patches.py", "vllm_ddtree/plugin.py", "vllm_ddtree/verify.py",
                     "vllm_ddtree/proposer.py")
 _ACPU, _ACUDA, _SEL = ("vllm_ddtree/attention/cpu.py", "vllm_ddtree/attention/cuda.py",
@@ -176,21 +176,23 @@ _GDN, _GUARD, _MODELS, _GRAN = ("vllm_ddtree/hybrid/gdn_cpu.py", "vllm_ddtree/hy
 _CPU, _CUDA = ("cpu",), ("cuda",)
 
 REGISTER: list[Change] = [
-    # ------------------------------------------------------------------ patches: front end
+    # ---- patches: front end
     _c(f"{_ARGS}:EngineArgs.create_engine_config", "patch",
        "Selects the tree-attention backend (TRITON_ATTN on CUDA) and refuses another one named "
        "by the user; switches prefix caching off for hybrid targets.",
        both("(self, usage_context=None, headless=False)"), _P),
     _c(f"{_ARGS}:EngineArgs.create_speculative_config", "patch",
        "Translates {'method': 'ddtree', ...} into vLLM's own dflash config plus "
-       "additional_config['ddtree'] (vLLM's SpeculativeConfig refuses an unknown method). When the "
-       "install check fails, only a guard is installed here, so that 'ddtree' fails with its error.",
+       "additional_config['ddtree'] (vLLM's SpeculativeConfig refuses an unknown method). When "
+       "the install check fails, only a guard is installed here, so that 'ddtree' fails with "
+       "its error.",
        both("(self, target_model_config, target_parallel_config)"), _P),
     _c("vllm.v1.engine.input_processor:InputProcessor._validate_params", "patch",
        "Refuses sampling options DDTree cannot honour exactly and lets min-p through (vLLM "
-       "refuses min-p under chain speculative decoding only because its rejection sampler skips it).",
+       "refuses min-p under chain speculative decoding only because its rejection sampler skips "
+       "it).",
        both("(self, params, supported_tasks)"), _P),
-    # ------------------------------------------------------------------ patches: V1 model runner
+    # ---- patches: V1 model runner
     _c(f"{_RUNNER}:GPUModelRunner.__init__", "patch",
        "Builds DDTreeProposer where vLLM builds DFlashProposer and allocates the CUDA tree-mask "
        "buffers before any CUDA-graph capture.",
@@ -211,7 +213,7 @@ REGISTER: list[Change] = [
        "Tree verification instead of vLLM's rejection sampler, then KV compaction, the drafter "
        "context of the accepted path and the recurrent-state re-layout.",
        both("(self, logits, spec_decode_metadata)"), _P),
-    # ------------------------------------------------------------------ patches: hybrid, CPU kernels
+    # ---- patches: hybrid, CPU kernels
     _c(f"{_CPU_GDN}:_spec_forward", "patch",
        "GatedDeltaNet speculative rows run as the sequential tree oracle (every node from its "
        "parent's state) instead of vLLM's chain recurrence.",
@@ -221,38 +223,44 @@ REGISTER: list[Change] = [
        "A DDTree prefill takes the conv kernel target-only decoding takes (bit-equal output), "
        "by swapping torch.cpu._is_amx_tile_supported during the call.",
        both("(layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out, conv_buf, ssm_state, "
-            "width)"),
-       _P, _CPU),
+            "width)"), _P, _CPU),
     _c(f"{_MIXER2}:causal_conv1d_update", "patch",
-       "Mamba2 speculative conv rows along each node's ancestor path (tree oracle); the name "
-       "is the one mamba_mixer2 imported (on CPU vLLM's causal_conv1d_update_cpu), so only "
-       "the mixer's calls are affected.",
+       "Mamba2 speculative conv rows along each node's ancestor path (tree oracle); the name is "
+       "the one mamba_mixer2 imported (on CPU vLLM's causal_conv1d_update_cpu), so only the "
+       "mixer's calls are affected.",
        both("(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None, "
-            "query_start_loc=None, pad_slot_id=None, **kwargs)"),
-       _P, _CPU),
+            "query_start_loc=None, pad_slot_id=None, **kwargs)"), _P, _CPU),
     _c(f"{_MIXER2}:selective_state_update", "patch",
        "Mamba2 speculative SSM rows from each node's parent state (tree oracle).",
        both("(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplus=False, "
             "state_batch_indices=None, dst_state_batch_indices=None, null_block_id=0, out=None, "
             "num_accepted_tokens=None, cu_seqlens=None, is_blackwell=False)"), _P, _CPU),
-    # ------------------------------------------------------------------ global swaps, env, overrides, registrations
-    _c(f"{_RUNNER}:DFlashProposer", 'global swap',
-       "The runner module's DFlashProposer name is DDTreeProposer while the patched GPUModelRunner.__init__ calls vLLM's (so vLLM's own drafter set-up builds the DDTree proposer), then restored.",
+    # ---- global swaps, env, overrides, registrations
+    _c(f"{_RUNNER}:DFlashProposer", "global swap",
+       "The runner module's DFlashProposer name is DDTreeProposer while the patched "
+       "GPUModelRunner.__init__ calls vLLM's (so vLLM's own drafter set-up builds the DDTree "
+       "proposer), then restored.",
        both(None), _P),
-    _c('torch.cpu:_is_amx_tile_supported', 'global swap',
-       "Returns True during a DDTree hybrid prefill on a CPU with BF16 dot products, so vLLM's speculative-aware GDN prefill picks the C++ conv that target-only decoding picks (patches._target_only_conv_choice); restored after the call.",
-       both('()'), _P, _CPU),
-    _c('vllm.envs:VLLM_USE_V2_MODEL_RUNNER', 'env',
-       "Set to '0' when a ddtree config is translated: the DDTree hooks live in the V1 model runner (GPUModelRunner), which V2 replaces by default on CUDA.",
+    _c("torch.cpu:_is_amx_tile_supported", "global swap",
+       "Returns True during a DDTree hybrid prefill on a CPU with BF16 dot products, so vLLM's "
+       "speculative-aware GDN prefill picks the C++ conv that target-only decoding picks "
+       "(patches._target_only_conv_choice); restored after the call.",
+       both("()"), _P, _CPU),
+    _c("vllm.envs:VLLM_USE_V2_MODEL_RUNNER", "env",
+       "Set to '0' when a ddtree config is translated: the DDTree hooks live in the V1 model "
+       "runner (GPUModelRunner), which V2 replaces by default on CUDA.",
        both(None), _P),
-    _c(f"{_BACKENDS}:AttentionBackendEnum.CPU_ATTN", 'override',
-       "Pointed at vllm_ddtree.attention.cpu.DDTreeCPUAttentionBackend (vLLM's CPU backend with tree rows recomputed under the ancestor mask; vLLM's exactly outside DDTree).",
+    _c(f"{_BACKENDS}:AttentionBackendEnum.CPU_ATTN", "override",
+       "Pointed at vllm_ddtree.attention.cpu.DDTreeCPUAttentionBackend (vLLM's CPU backend with "
+       "tree rows recomputed under the ancestor mask; vLLM's exactly outside DDTree).",
        both(None), _PL, _CPU),
-    _c(f"{_BACKENDS}:AttentionBackendEnum.TRITON_ATTN", 'override',
-       "Pointed at vllm_ddtree.attention.cuda.DDTreeTritonAttentionBackend (vLLM's Triton backend whose impl verifies per-request trees; vLLM's exactly outside DDTree).",
+    _c(f"{_BACKENDS}:AttentionBackendEnum.TRITON_ATTN", "override",
+       "Pointed at vllm_ddtree.attention.cuda.DDTreeTritonAttentionBackend (vLLM's Triton "
+       "backend whose impl verifies per-request trees; vLLM's exactly outside DDTree).",
        both(None), _PL, _CUDA),
-    _c(f"{_GRANITE}:GraniteMoeHybridForCausalLM", 'registration',
-       "The architecture name is registered to GraniteMoeHybridEagle3ForCausalLM, which adds the EAGLE3 aux-hidden-state interface DFlash needs (vLLM's class lacks it).",
+    _c(f"{_GRANITE}:GraniteMoeHybridForCausalLM", "registration",
+       "The architecture name is registered to GraniteMoeHybridEagle3ForCausalLM, which adds "
+       "the EAGLE3 aux-hidden-state interface DFlash needs (vLLM's class lacks it).",
        both(None), _MODELS),
     _c(f"{_GRANITE}:GraniteMoeHybridModel", "class switch",
        "After vLLM builds the Granite decoder, its class is switched to "
@@ -262,176 +270,203 @@ REGISTER: list[Change] = [
     _c(f"{_GRANITE}:GraniteMoeHybridModel.forward", "dependency",
        "Replicated by the switched-in class (same ops, same order): a change here must be "
        "carried over.",
-       both('(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None)'),
-       _GRAN),
-    _c('vllm.v1.sample.logits_processor.builtin:MinPLogitsProcessor', 'bare instance',
-       "Built through __new__ with min_p / min_p_count set per tree-node row, so vLLM's own min-p processing applies at every node (vLLM does not build it under speculative decoding).",
+       both("(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None)"), _GRAN),
+    _c("vllm.v1.sample.logits_processor.builtin:MinPLogitsProcessor", "bare instance",
+       "Built through __new__ with min_p / min_p_count set per tree-node row, so vLLM's own "
+       "min-p processing applies at every node (vLLM does not build it under speculative "
+       "decoding).",
        both(None), _V),
-    # ------------------------------------------------------------------ dependencies: vLLM calls the plugin makes
-    _c(f"{_BACKENDS}:register_backend", 'dependency',
-       'Called with an AttentionBackendEnum member and a class path (the two overrides above).',
-       both('(backend, class_path=None, is_mamba=False)'), _PL),
-    _c(f"{_BACKENDS}:AttentionBackendEnum.get_class", 'dependency',
-       'Resolves the backend registered for TRITON_ATTN (whether this engine uses the CUDA tree-mask buffers).',
-       both('(self)'), _ACUDA),
-    _c(f"{_BACKENDS}:AttentionBackendEnum.get_path", 'dependency',
-       'Reads which class a backend member points to (tests of the override).',
-       both('(self, include_classname=True)'), _PL),
-    _c('vllm.model_executor.models.registry:_ModelRegistry.register_model', 'dependency',
-       "Registers the Granite class by a lazy 'module:Class' string (vllm.ModelRegistry is the instance).",
-       both('(self, model_arch, model_cls)'), _MODELS),
-    _c(f"{_ARGS}:EngineArgs.create_model_config", 'dependency',
-       "Builds the target's ModelConfig in the create_engine_config patch (is the target hybrid?).",
-       both('(self)'), _P),
-    _c('vllm.forward_context:get_forward_context', 'dependency',
-       "The step's slot mappings (KV compaction) and attention layers (CUDA compaction per layer).",
-       both('()'), _P),
-    _c('vllm.config.vllm:get_current_vllm_config_or_none', 'dependency',
-       'The engine config while vLLM builds attention layers (the CUDA impl reads num_speculative_tokens).',
-       both('()'), _ACUDA),
-    _c('vllm.config.compilation:CUDAGraphMode.mixed_mode', 'dependency',
-       'cudagraph_mode=FULL (full graphs of mixed batches) is refused for DDTree engines.',
-       both('(self)'), _ACUDA, _CUDA),
-    _c('vllm.platforms:current_platform', 'dependency',
-       'CPU or CUDA: which backend is overridden, which patches apply.',
+    # ---- dependencies: vLLM calls the plugin makes
+    _c(f"{_BACKENDS}:register_backend", "dependency",
+       "Called with an AttentionBackendEnum member and a class path (the two overrides above, "
+       "through override_backend).",
+       both("(backend, class_path=None, is_mamba=False)"), _INT),
+    _c(f"{_BACKENDS}:AttentionBackendEnum.get_class", "dependency",
+       "Resolves the backend registered for TRITON_ATTN (whether this engine uses the CUDA "
+       "tree-mask buffers).",
+       both("(self)"), _ACUDA),
+    _c("vllm.model_executor.models.registry:_ModelRegistry.register_model", "dependency",
+       "Registers the Granite class by a lazy 'module:Class' string (vllm.ModelRegistry is the "
+       "instance; through register_model).",
+       both("(self, model_arch, model_cls)"), _INT),
+    _c(f"{_ARGS}:EngineArgs.create_model_config", "dependency",
+       "Builds the target's ModelConfig in the create_engine_config patch (is the target "
+       "hybrid?).",
+       both("(self)"), _P),
+    _c("vllm.forward_context:get_forward_context", "dependency",
+       "The step's slot mappings (KV compaction) and attention layers (CUDA compaction per "
+       "layer).",
+       both("()"), _P),
+    _c("vllm.config.vllm:get_current_vllm_config_or_none", "dependency",
+       "The engine config while vLLM builds attention layers (the CUDA impl reads "
+       "num_speculative_tokens).",
+       both("()"), _ACUDA),
+    _c("vllm.config.compilation:CUDAGraphMode.mixed_mode", "dependency",
+       "cudagraph_mode=FULL (full graphs of mixed batches) is refused for DDTree engines.",
+       both("(self)"), _ACUDA, _CUDA),
+    _c("vllm.platforms:current_platform", "dependency",
+       "CPU or CUDA: which backend is overridden, which patches apply.",
        both(None), _PL),
-    _c('vllm.config:AttentionConfig', 'dependency',
-       'Built from a dict and given backend=TRITON_ATTN for DDTree engines on CUDA.',
+    _c("vllm.config:AttentionConfig", "dependency",
+       "Built from a dict and given backend=TRITON_ATTN for DDTree engines on CUDA.",
        both(None), _SEL),
-    _c('vllm.exceptions:VLLMValidationError.__init__', 'dependency',
-       'DDTreeRequestError subclasses it so refused sampling options are HTTP 400 (called with parameter= and value=).',
-       both('(self, message, *, parameter=None, value=None)'), _V),
-    _c('vllm:SamplingParams', 'dependency',
-       'The request options checked by the _validate_params patch.',
+    _c("vllm.exceptions:VLLMValidationError.__init__", "dependency",
+       "DDTreeRequestError subclasses it so refused sampling options are HTTP 400 (called with "
+       "parameter= and value=).",
+       both("(self, message, *, parameter=None, value=None)"), _V),
+    _c("vllm:SamplingParams", "dependency",
+       "The request options checked by the _validate_params patch.",
        both(None), _P),
-    _c('vllm.v1.outputs:SamplerOutput', 'dependency',
-       'What the _sample patch returns (sampled_token_ids, logprobs_tensors).',
+    _c("vllm.v1.outputs:SamplerOutput", "dependency",
+       "What the _sample patch returns (sampled_token_ids, logprobs_tensors).",
        both(None), _P),
-    _c('vllm.v1.outputs:LogprobsTensors', 'dependency',
+    _c("vllm.v1.outputs:LogprobsTensors", "dependency",
        "Logprobs of the emitted tokens, as vLLM's rejection sampler returns them.",
        both(None), _V),
-    _c('vllm.v1.sample.logits_processor:LogitsProcessors.__init__', 'dependency',
+    _c("vllm.v1.sample.logits_processor:LogitsProcessors.__init__", "dependency",
        "Per-node logits processors (min-p) handed to vLLM's sampler.",
-       both('(self, logitsprocs=None)'), _V),
-    _c(f"{_SAMPLER}:Sampler.sample", 'dependency',
-       'Samples every tree node from its processed distribution (temperature, top-k/p, min-p, seeds) as target-only decoding does.',
-       both('(self, logits, sampling_metadata, logprobs_mode_override=None)'), _V),
-    _c(f"{_SAMPLER}:Sampler.greedy_sample", 'dependency',
+       both("(self, logitsprocs=None)"), _V),
+    _c(f"{_SAMPLER}:Sampler.sample", "dependency",
+       "Samples every tree node from its processed distribution (temperature, top-k/p, min-p, "
+       "seeds) as target-only decoding does.",
+       both("(self, logits, sampling_metadata, logprobs_mode_override=None)"), _V),
+    _c(f"{_SAMPLER}:Sampler.greedy_sample", "dependency",
        "The target's argmax at every node for greedy batches.",
-       both('(logits)'), _V),
-    _c(f"{_SAMPLER}:Sampler.compute_logprobs", 'dependency',
-       'Logprobs of the emitted tokens.',
-       both('(logits)'), _V),
-    _c(f"{_SAMPLER}:Sampler.gather_logprobs", 'dependency',
-       'Top-k logprobs of the emitted tokens.',
-       both('(logprobs, num_logprobs, token_ids)'), _V),
-    _c('vllm.v1.sample.logits_processor.builtin:MinPLogitsProcessor.apply', 'dependency',
+       both("(logits)"), _V),
+    _c(f"{_SAMPLER}:Sampler.compute_logprobs", "dependency",
+       "Logprobs of the emitted tokens.",
+       both("(logits)"), _V),
+    _c(f"{_SAMPLER}:Sampler.gather_logprobs", "dependency",
+       "Top-k logprobs of the emitted tokens.",
+       both("(logprobs, num_logprobs, token_ids)"), _V),
+    _c("vllm.v1.sample.logits_processor.builtin:MinPLogitsProcessor.apply", "dependency",
        "vLLM's min-p filter, applied with per-node thresholds.",
-       both('(self, logits)'), _V),
-    _c(f"{_DFLASH}:DFlashProposer", 'dependency',
-       "DDTreeProposer subclasses vLLM's DFlash drafter (context K/V from tapped target hidden states, one block pass), so vLLM's isinstance checks hold.",
+       both("(self, logits)"), _V),
+    _c(f"{_DFLASH}:DFlashProposer", "dependency",
+       "DDTreeProposer subclasses vLLM's DFlash drafter (context K/V from tapped target hidden "
+       "states, one block pass), so vLLM's isinstance checks hold.",
        both(None), _PR),
-    _c(f"{_DFLASH}:DFlashProposer.__init__", 'dependency',
-       'Called by DDTreeProposer.__init__ with (vllm_config, device, runner).',
-       both('(self, vllm_config, device, runner=None)'), _PR),
-    _c(f"{_DFLASH}:DFlashProposer.load_model", 'dependency',
+    _c(f"{_DFLASH}:DFlashProposer.__init__", "dependency",
+       "Called by DDTreeProposer.__init__ with (vllm_config, device, runner).",
+       both("(self, vllm_config, device, runner=None)"), _PR),
+    _c(f"{_DFLASH}:DFlashProposer.load_model", "dependency",
        "Overridden: the hybrid guard runs on the loaded target, then vLLM's load.",
-       both('(self, target_model)'), _PR),
-    _c(f"{_DFLASH}:DFlashProposer.propose", 'dependency',
+       both("(self, target_model)"), _PR),
+    _c(f"{_DFLASH}:DFlashProposer.propose", "dependency",
        "Overridden: vLLM's pass with L mask tokens, then one draft tree per request.",
-       both('(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states, next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata, mm_embed_inputs=None, num_rejected_tokens_gpu=None, slot_mappings=None)'), _PR),
-    _c(f"{_DFLASH}:DFlashProposer._sample_draft_tokens", 'dependency',
-       'Overridden: keeps the drafter logits [R*L, V] the trees are built from.',
-       both('(self, hidden_states, sampling_metadata)'), _PR),
-    _c(f"{_CPU_ATTN}:CPUAttentionBackend", 'dependency',
-       'Subclassed by DDTreeCPUAttentionBackend (same name, KV layout, metadata builder).',
+       both("(self, num_speculative_tokens, target_token_ids, target_positions, "
+            "target_hidden_states, next_token_ids, token_indices_to_sample, "
+            "common_attn_metadata, sampling_metadata, mm_embed_inputs=None, "
+            "num_rejected_tokens_gpu=None, slot_mappings=None)"), _PR),
+    _c(f"{_DFLASH}:DFlashProposer._sample_draft_tokens", "dependency",
+       "Overridden: keeps the drafter logits [R*L, V] the trees are built from.",
+       both("(self, hidden_states, sampling_metadata)"), _PR),
+    _c(f"{_CPU_ATTN}:CPUAttentionBackend", "dependency",
+       "Subclassed by DDTreeCPUAttentionBackend (same name, KV layout, metadata builder).",
        both(None), _ACPU, _CPU),
-    _c(f"{_CPU_ATTN}:CPUAttentionBackendImpl.forward", 'dependency',
+    _c(f"{_CPU_ATTN}:CPUAttentionBackendImpl.forward", "dependency",
        "Overridden and called: vLLM's causal result, then tree rows recomputed.",
-       both('(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None)'), _ACPU, _CPU),
-    _c(f"{_CPU_ATTN}:CPUAttentionBackendImpl.do_kv_cache_update", 'dependency',
+       both("(self, layer, query, key, value, kv_cache, attn_metadata, output, "
+            "output_scale=None, output_block_scale=None)"), _ACPU, _CPU),
+    _c(f"{_CPU_ATTN}:CPUAttentionBackendImpl.do_kv_cache_update", "dependency",
        "Overridden and called: vLLM's KV write, then the tree K/V recorded for compaction.",
-       both('(self, layer, key, value, kv_cache, slot_mapping)'), _ACPU, _CPU),
-    _c(f"{_OPS}:cpu_attention_with_kv_cache", 'dependency',
+       both("(self, layer, key, value, kv_cache, slot_mapping)"), _ACPU, _CPU),
+    _c(f"{_OPS}:cpu_attention_with_kv_cache", "dependency",
        "vLLM's CPU attention kernel, called once per chain wave of tree rows.",
-       both("(query, key_cache, value_cache, output, query_start_loc, seq_lens, scale, causal, alibi_slopes, sliding_window, block_table, softcap, scheduler_metadata, s_aux, dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype='auto')"), _ACPU, _CPU),
-    _c(f"{_OPS}:cpu_attn_get_scheduler_metadata", 'dependency',
-       'Scheduler metadata for those kernel calls.',
-       both("(num_reqs, num_heads, num_kv_heads, head_dim, seq_lens, dtype, query_start_loc, causal, sliding_window_size, isa, enable_kv_split, dynamic_causal=None, kv_cache_dtype='auto')"), _ACPU, _CPU),
-    _c('vllm.envs:VLLM_CPU_ATTN_SPLIT_KV', 'dependency',
-       'Read to build the same scheduler metadata vLLM builds.',
+       both("(query, key_cache, value_cache, output, query_start_loc, seq_lens, scale, causal, "
+            "alibi_slopes, sliding_window, block_table, softcap, scheduler_metadata, s_aux, "
+            "dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype='auto')"), _ACPU, _CPU),
+    _c(f"{_OPS}:cpu_attn_get_scheduler_metadata", "dependency",
+       "Scheduler metadata for those kernel calls.",
+       both("(num_reqs, num_heads, num_kv_heads, head_dim, seq_lens, dtype, query_start_loc, "
+            "causal, sliding_window_size, isa, enable_kv_split, dynamic_causal=None, "
+            "kv_cache_dtype='auto')"), _ACPU, _CPU),
+    _c("vllm.envs:VLLM_CPU_ATTN_SPLIT_KV", "dependency",
+       "Read to build the same scheduler metadata vLLM builds.",
        both(None), _ACPU, _CPU),
-    _c('vllm.v1.attention.backend:AttentionType.DECODER', 'dependency',
-       'Only decoder self-attention rows are tree rows.',
+    _c("vllm.v1.attention.backend:AttentionType.DECODER", "dependency",
+       "Only decoder self-attention rows are tree rows.",
        both(None), _ACPU),
-    _c('vllm.v1.attention.backend:AttentionLayer', 'dependency',
+    _c("vllm.v1.attention.backend:AttentionLayer", "dependency",
        "Type of the layer argument of the impl's forward.",
        both(None), _ACPU),
-    _c(f"{_TRITON_ATTN}:TritonAttentionBackend", 'dependency',
-       'Subclassed by DDTreeTritonAttentionBackend (same name, KV layout, metadata builder, CUDA-graph support).',
+    _c(f"{_TRITON_ATTN}:TritonAttentionBackend", "dependency",
+       "Subclassed by DDTreeTritonAttentionBackend (same name, KV layout, metadata builder, "
+       "CUDA-graph support).",
        both(None), _ACUDA),
-    _c(f"{_TRITON_ATTN}:TritonAttentionImpl.__init__", 'dependency',
-       'Called by DDTreeTritonAttentionImpl.__init__ (arguments passed through).',
-       both('(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype, logits_soft_cap=None, attn_type=..., kv_sharing_target_layer_name=None, sinks=None, use_alibi_sqrt=False, chunk_lookback=-1)'), _ACUDA),
-    _c(f"{_TRITON_ATTN}:TritonAttentionImpl.forward", 'dependency',
-       'Overridden and called for every batch that is not a tree-kernel batch.',
-       both('(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None)'), _ACUDA),
-    _c(f"{_TRITON_ATTN}:TritonAttentionMetadata", 'dependency',
+    _c(f"{_TRITON_ATTN}:TritonAttentionImpl.__init__", "dependency",
+       "Called by DDTreeTritonAttentionImpl.__init__ (arguments passed through).",
+       both("(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, "
+            "kv_cache_dtype, logits_soft_cap=None, attn_type=..., "
+            "kv_sharing_target_layer_name=None, sinks=None, use_alibi_sqrt=False, "
+            "chunk_lookback=-1)"), _ACUDA),
+    _c(f"{_TRITON_ATTN}:TritonAttentionImpl.forward", "dependency",
+       "Overridden and called for every batch that is not a tree-kernel batch.",
+       both("(self, layer, query, key, value, kv_cache, attn_metadata, output, "
+            "output_scale=None, output_block_scale=None)"), _ACUDA),
+    _c(f"{_TRITON_ATTN}:TritonAttentionMetadata", "dependency",
        "Fields read by the tree kernel's dispatch (below).",
        both(None), _ACUDA),
-    _c('vllm.model_executor.layers.mamba.abstract:MambaBase', 'dependency',
-       'The hybrid guard finds recurrent layers as MambaBase instances.',
+    _c("vllm.model_executor.layers.mamba.abstract:MambaBase", "dependency",
+       "The hybrid guard finds recurrent layers as MambaBase instances.",
        both(None), _GUARD),
-    _c(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention", 'dependency',
-       'The guard accepts this exact class (by qualified name) as GatedDeltaNet for the tree oracle.',
+    _c(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention", "dependency",
+       "The guard accepts this exact class (by qualified name) as GatedDeltaNet for the tree "
+       "oracle.",
        both(None), _GUARD),
-    _c(f"{_MIXER2}:MambaMixer2", 'dependency',
-       'The guard accepts this exact class (by qualified name) as Mamba2 for the tree oracle.',
+    _c(f"{_MIXER2}:MambaMixer2", "dependency",
+       "The guard accepts this exact class (by qualified name) as Mamba2 for the tree oracle.",
        both(None), _GUARD),
-    _c(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention.rearrange_mixed_qkv", 'dependency',
+    _c(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention.rearrange_mixed_qkv", "dependency",
        "Splits the conv output into q, k, v for the oracle's GDN steps.",
-       both('(self, mixed_qkv)'), _GDN, _CPU),
-    _c('vllm.model_executor.layers.mamba.mamba_utils:is_conv_state_dim_first', 'dependency',
-       'The conv-state layout the oracle reads and writes.',
-       both('()'), _GDN, _CPU),
-    _c(f"{_CPU_GDN}:_causal_conv1d_update_cpu", 'dependency',
-       "vLLM's C++ conv update on packed weights, the kernel target-only decoding uses (oracle conv per node).",
-       both('(*, x, conv_states, weight, bias, silu_activation, conv_state_indices, is_weight_packed, num_accepted_tokens=None)'), _GDN, _CPU),
-    _c(f"{_CPU_GDN}:is_arm_bf16", 'dependency',
-       'Which conv kernel target-only decoding picks.',
-       both('()'), _GDN, _CPU),
-    _c(f"{_CPU_GDN}:_unpacked_conv_weight", 'dependency',
+       both("(self, mixed_qkv)"), _GDN, _CPU),
+    _c("vllm.model_executor.layers.mamba.mamba_utils:is_conv_state_dim_first", "dependency",
+       "The conv-state layout the oracle reads and writes.",
+       both("()"), _GDN, _CPU),
+    _c(f"{_CPU_GDN}:_causal_conv1d_update_cpu", "dependency",
+       "vLLM's C++ conv update on packed weights, the kernel target-only decoding uses (oracle "
+       "conv per node).",
+       both("(*, x, conv_states, weight, bias, silu_activation, conv_state_indices, "
+            "is_weight_packed, num_accepted_tokens=None)"), _GDN, _CPU),
+    _c(f"{_CPU_GDN}:is_arm_bf16", "dependency",
+       "Which conv kernel target-only decoding picks.",
+       both("()"), _GDN, _CPU),
+    _c(f"{_CPU_GDN}:_unpacked_conv_weight", "dependency",
        "The plain conv weight for vLLM's torch conv fallback.",
-       both('(layer)'), _P, _CPU),
-    _c('vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d:causal_conv1d_update_cpu', 'dependency',
+       both("(layer)"), _P, _CPU),
+    _c("vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d:causal_conv1d_update_cpu",
+       "dependency",
        "vLLM's torch conv update (CPUs without BF16 dot products).",
-       both('(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None, query_start_loc=None, pad_slot_id=None, **kwargs)'), _GDN, _CPU),
-    _c(f"{_OPS}:fused_sigmoid_gating_delta_rule_update_cpu", 'dependency',
+       both("(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None, "
+            "query_start_loc=None, pad_slot_id=None, **kwargs)"), _GDN, _CPU),
+    _c(f"{_OPS}:fused_sigmoid_gating_delta_rule_update_cpu", "dependency",
        "vLLM's GDN recurrence step, one tree depth at a time.",
-       both('(A_log, dt_bias, q, k, v, a, b, initial_state_source, initial_state_indices, cu_seqlens, use_qk_l2norm_in_kernel, softplus_beta=1.0, softplus_threshold=20.0)'), _GDN, _CPU),
-    _c('torch.cpu:_is_avx512_bf16_supported', 'dependency',
-       'Which conv kernel target-only decoding picks.',
-       both('()'), _GDN, _CPU),
-    _c(f"{_GRANITE}:GraniteMoeHybridForCausalLM.__init__", 'dependency',
+       both("(A_log, dt_bias, q, k, v, a, b, initial_state_source, initial_state_indices, "
+            "cu_seqlens, use_qk_l2norm_in_kernel, softplus_beta=1.0, softplus_threshold=20.0)"),
+       _GDN, _CPU),
+    _c("torch.cpu:_is_avx512_bf16_supported", "dependency",
+       "Which conv kernel target-only decoding picks.",
+       both("()"), _GDN, _CPU),
+    _c(f"{_GRANITE}:GraniteMoeHybridForCausalLM.__init__", "dependency",
        "Called by the registered subclass before its decoder's class is switched.",
        both("(self, *, vllm_config, prefix='')"), _GRAN),
-    _c(f"{_GRANITE}:GraniteMoeHybridModel.embed_input_ids", 'dependency',
-       'Called by the replicated decoder forward.',
-       both('(self, input_ids)'), _GRAN),
-    _c('vllm.model_executor.models.interfaces:EagleModelMixin._maybe_add_hidden_state', 'dependency',
-       'Collects the aux hidden states in the replicated forward.',
-       both('(self, aux_hidden_states, layer_idx, hidden_states, residual)'), _GRAN),
-    _c('vllm.model_executor.models.interfaces:SupportsEagle3', 'dependency',
-       'The interface the registered Granite class adds.',
+    _c(f"{_GRANITE}:GraniteMoeHybridModel.embed_input_ids", "dependency",
+       "Called by the replicated decoder forward.",
+       both("(self, input_ids)"), _GRAN),
+    _c("vllm.model_executor.models.interfaces:EagleModelMixin._maybe_add_hidden_state",
+       "dependency",
+       "Collects the aux hidden states in the replicated forward.",
+       both("(self, aux_hidden_states, layer_idx, hidden_states, residual)"), _GRAN),
+    _c("vllm.model_executor.models.interfaces:SupportsEagle3", "dependency",
+       "The interface the registered Granite class adds.",
        both(None), _GRAN),
-    _c('vllm.distributed:get_pp_group', 'dependency',
-       'Pipeline rank checks of the replicated decoder forward.',
-       both('()'), _GRAN),
-    _c('vllm.sequence:IntermediateTensors', 'dependency',
-       'Pipeline hand-off type of the replicated decoder forward.',
+    _c("vllm.distributed:get_pp_group", "dependency",
+       "Pipeline rank checks of the replicated decoder forward.",
+       both("()"), _GRAN),
+    _c("vllm.sequence:IntermediateTensors", "dependency",
+       "Pipeline hand-off type of the replicated decoder forward.",
        both(None), _GRAN),
-    # ------------------------------------------------------------------ attributes the plugin reads
-    # ------------------------------------------------------------------ attributes the plugin reads
+    # ---- attributes the plugin reads
     *_attrs(f"{_ARGS}:EngineArgs",
             "speculative_config spec_method spec_model spec_tokens async_scheduling "
             "logits_processors logprobs_mode additional_config enable_prefix_caching "
