@@ -39,7 +39,6 @@ import contextlib
 import functools
 import importlib
 import logging
-import os
 from typing import Any, Callable, Iterator
 
 import torch
@@ -274,8 +273,6 @@ def _create_speculative_config(original: Callable) -> Callable:
         extra[ADDITIONAL_CONFIG_KEY] = ddtree.to_dict()
         self.additional_config = extra
         self.speculative_config = vllm_spec
-        # The DDTree hooks live in the V1 model runner (the CPU platform always uses it).
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         logger.info("DDTree: node budget B=%d, drafter horizon L=%d, drafter %s",
                     ddtree.budget, ddtree.drafter_horizon, ddtree.drafter)
         return original(self, target_model_config, target_parallel_config)
@@ -626,3 +623,35 @@ def _mamba2_state_update(original: Callable) -> Callable:
                                  kwargs["num_accepted_tokens"], kwargs["cu_seqlens"], **kw)
 
     return selective_state_update
+
+
+# --------------------------------------------------------------------------- Model Runner V2
+# V2 (``vllm/v1/worker/gpu/``) builds its speculator and the target's model state through two
+# factory functions; DDTree engines get :mod:`vllm_ddtree.runners.v2`'s classes from them.
+
+_V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
+
+
+@patch(_V2_RUNNER, "init_speculator")
+def _v2_init_speculator(original: Callable) -> Callable:
+    def init_speculator(vllm_config, device, *args, **kwargs):
+        if get_ddtree_config(vllm_config) is None:
+            return original(vllm_config, device, *args, **kwargs)
+        from vllm_ddtree.runners.v2 import DDTreeSpeculator
+
+        return DDTreeSpeculator(vllm_config, device)
+
+    return init_speculator
+
+
+@patch("vllm.v1.worker.gpu.model_states", "resolve_model_state_cls")
+def _v2_resolve_model_state_cls(original: Callable) -> Callable:
+    def resolve_model_state_cls(vllm_config, model, *args, **kwargs):
+        cls = original(vllm_config, model, *args, **kwargs)
+        if get_ddtree_config(vllm_config) is None:
+            return cls
+        from vllm_ddtree.runners.v2 import ddtree_model_state_cls
+
+        return ddtree_model_state_cls(cls)
+
+    return resolve_model_state_cls

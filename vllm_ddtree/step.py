@@ -108,6 +108,28 @@ def _is_chain(tree: DraftTree) -> bool:
     return bool(torch.equal(tree.parents, torch.arange(-1, n, dtype=tree.parents.dtype)))
 
 
+@dataclass(frozen=True)
+class ScheduledDrafts:
+    """Where one request's draft rows sit in this step's flat token batch (runner-independent).
+
+    Attributes:
+        req_id: vLLM request id (trees are keyed by it).
+        batch_index: the request's row in this step's input batch.
+        root_row: flat token row of the root (bonus) token; draft ``i`` is row ``root_row + i``.
+        context_len: committed tokens before the root (the root's position).
+        num_drafts: draft rows scheduled behind the root.
+        tokens: the scheduled draft tokens when the runner has them on the host (V1: the
+            scheduler's lists); ``None`` when the runner fed the proposer's tokens itself (V2).
+    """
+
+    req_id: str
+    batch_index: int
+    root_row: int
+    context_len: int
+    num_drafts: int
+    tokens: Sequence[int] | None = None
+
+
 def plan_tree_step(
     req_ids: Sequence[str],
     scheduled_spec_tokens: Mapping[str, Sequence[int]],
@@ -117,7 +139,7 @@ def plan_tree_step(
     trees: Mapping[str, DraftTree],
     device: torch.device | str = "cpu",
 ) -> TreeStep | None:
-    """Lay this step's draft trees onto vLLM's flat token batch.
+    """Lay this step's draft trees onto vLLM's flat token batch (V1 runner's view).
 
     Args:
         req_ids: request ids in input-batch order (``input_batch.req_ids[:num_reqs]``).
@@ -130,33 +152,63 @@ def plan_tree_step(
         device: where the position and mask tensors go (the model's device).
 
     Returns:
-        the step plan, or ``None`` when no request carries draft tokens.
-
-    Raises:
-        ValueError: more scheduled drafts than the proposed tree has nodes while the tokens
-            match (cannot happen with vLLM's scheduler; guards silent misuse).
+        the step plan (:func:`lay_out_step`), or ``None`` when no request carries draft tokens.
     """
-    requests: list[StepRequest] = []
+    scheduled: list[ScheduledDrafts] = []
     for b, req_id in enumerate(req_ids):
         drafts = scheduled_spec_tokens.get(req_id)
         if not drafts:
             continue
         n = len(drafts)
         num_sched = int(num_scheduled_tokens[req_id])
-        root_row = int(query_start_loc[b]) + num_sched - (n + 1)
-        context_len = int(num_computed_tokens[b]) + num_sched - (n + 1)
-        tree = trees.get(req_id)
-        is_tree = (
-            tree is not None
-            and tree.num_nodes >= n
-            and tree.token_ids[:n].tolist() == list(drafts)
-        )
+        scheduled.append(ScheduledDrafts(
+            req_id, b, int(query_start_loc[b]) + num_sched - (n + 1),
+            int(num_computed_tokens[b]) + num_sched - (n + 1), n, list(drafts)))
+    return lay_out_step(scheduled, trees, device)
+
+
+def lay_out_step(
+    scheduled: Sequence[ScheduledDrafts],
+    trees: Mapping[str, DraftTree],
+    device: torch.device | str = "cpu",
+) -> TreeStep | None:
+    """Pair each request's scheduled draft rows with its proposed tree: the step plan.
+
+    A request's tree is used when one is known and, where the runner knows the scheduled tokens,
+    they are the tree's first nodes. The scheduler may schedule fewer rows than the tree has
+    nodes (token budget, ``max_model_len``): the tree is truncated (:func:`truncate_tree`). It may
+    also schedule more (V2 reserves ``max(B, L)`` rows per request): rows past the tree's nodes
+    are padding, outside the tree, never accepted. Without a usable tree the scheduled tokens
+    are verified as a plain chain, which is exact for any token list.
+
+    Args:
+        scheduled: requests that carry draft rows this step, in batch order.
+        trees: the proposer's trees by request id.
+        device: where the position and mask tensors go (the model's device).
+
+    Returns:
+        the step plan, or ``None`` when ``scheduled`` is empty.
+
+    Raises:
+        ValueError: a request has neither a usable tree nor host-side draft tokens.
+    """
+    requests: list[StepRequest] = []
+    for s in scheduled:
+        tree = trees.get(s.req_id)
+        n = min(s.num_drafts, tree.num_nodes) if tree is not None else s.num_drafts
+        is_tree = tree is not None and (
+            s.tokens is None or tree.token_ids[:n].tolist() == list(s.tokens)[:n])
+        if s.tokens is not None and is_tree and s.num_drafts > n:
+            is_tree = False  # V1 schedules the proposer's list: more tokens means another list
         if is_tree:
             tree = truncate_tree(tree, n)
             is_tree = not _is_chain(tree)
         else:
-            tree = chain_tree(torch.tensor(list(drafts), dtype=torch.long))
-        requests.append(StepRequest(req_id, b, root_row, context_len, tree, is_tree))
+            if s.tokens is None:
+                raise ValueError(f"request {s.req_id}: no draft tree and no draft tokens")
+            tree = chain_tree(torch.tensor(list(s.tokens), dtype=torch.long))
+        requests.append(
+            StepRequest(s.req_id, s.batch_index, s.root_row, s.context_len, tree, is_tree))
     if not requests:
         return None
 

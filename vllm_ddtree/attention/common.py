@@ -93,3 +93,14 @@ def tree_attention_active(batch: TreeAttentionBatch | None) -> Iterator[None]:
 def active_tree_batch() -> TreeAttentionBatch | None:
     """The tree batch of the target forward now running, or ``None``."""
     return _ACTIVE
+
+
+def publish_tree_batch(batch: TreeAttentionBatch | None) -> None:
+    """Publish ``batch`` (``None``: no trees) until the next call.
+
+    For runners whose target forward is not one call the plugin can wrap (Model Runner V2:
+    published in ``ModelState.prepare_inputs``, cleared at verification and before every
+    attention-metadata build, so no other forward sees a step's trees).
+    """
+    global _ACTIVE
+    _ACTIVE = batch

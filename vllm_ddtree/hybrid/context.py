@@ -69,3 +69,11 @@ def hybrid_tree_active(ctx: HybridTreeContext | None) -> Iterator[None]:
 def active_hybrid_context() -> HybridTreeContext | None:
     """The hybrid context of the DDTree target forward now running, or ``None``."""
     return _ACTIVE
+
+
+def publish_hybrid_context(ctx: HybridTreeContext | None) -> None:
+    """Publish ``ctx`` (``None``: none) until the next call, for runners whose target forward
+    the plugin cannot wrap (Model Runner V2: published in ``ModelState.prepare_inputs`` of a
+    real step, cleared at verification and before every attention-metadata build)."""
+    global _ACTIVE
+    _ACTIVE = ctx

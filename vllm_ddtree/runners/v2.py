@@ -1,0 +1,482 @@
+"""DDTree on vLLM's Model Runner V2 (``vllm/v1/worker/gpu/``), through V2's own seams.
+
+V2 is vLLM's default runner wherever Triton runs (every CUDA GPU). It keeps draft tokens on the
+device (``req_states.draft_tokens``), lays each decoding request out as ``1 + K`` rows
+``[bonus, draft_1 … draft_K]`` (``K = num_speculative_tokens = max(B, L)``), and after the
+forward calls, in order: the rejection sampler, ``postprocess_sampled`` (chain bookkeeping from
+``num_sampled`` / ``num_rejected``) and the speculator's ``propose``. DDTree plugs into three
+objects V2 builds for it:
+
+* :class:`DDTreeSpeculator` — V2's ``DFlashSpeculator`` run with ``L`` mask tokens (the drafter
+  horizon, not ``K``); from the drafter's logits it builds one draft tree per request (best-first,
+  node budget B; paper §3.2) and returns the tree's node tokens in node order as the request's
+  draft tokens. Before drafting it gathers the accepted path's hidden states to the first rows of
+  each request, where DFlash reads the committed context (``num_rejected`` rows are dropped from
+  the end, as for a chain).
+* :class:`DDTreeModelStateMixin` — mixed into the model state vLLM resolves for the target
+  (``vllm/v1/worker/gpu/model_states``): ``prepare_attn`` pairs the scheduled draft rows with the
+  trees (:func:`vllm_ddtree.step.lay_out_step`) and keeps the step's slot mappings;
+  ``prepare_inputs`` writes depth positions into the position buffer and publishes the tree
+  batch to the tree-attention backends; ``custom_sampler`` replaces the rejection sampler by
+  :class:`DDTreeVerifier`.
+* :class:`DDTreeVerifier` — verification (paper §3.4): the target's choice at every node is
+  vLLM's own ``Sampler.sample`` over the node's logits at its depth position (greedy argmax, or
+  a Gumbel sample keyed by the request's seed and the position, as target-only decoding draws
+  it); the walk follows the choices down the tree. It restores chain positions, commits (KV
+  compaction) and returns the accepted path's tokens plus the bonus token in V2's
+  ``SamplerOutput`` layout, so V2's chain bookkeeping stays valid.
+
+The two V2 factory functions are wrapped in :mod:`vllm_ddtree.patches` (``init_speculator``
+where the runner imports it, ``resolve_model_state_cls``); nothing else of the runner is touched.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer
+from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+from vllm.v1.worker.gpu.sample.output import SamplerOutput
+from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+from vllm_ddtree.config import DDTreeConfig, DDTreeConfigError, count_prefixes, get_ddtree_config
+from vllm_ddtree.step import ScheduledDrafts, TreeStep, lay_out_step
+from vllm_ddtree.tree import DraftTree, build_draft_trees, follow_tree
+
+logger = logging.getLogger("vllm.ddtree")
+
+__all__ = ["DDTreeModelStateMixin", "DDTreeSpeculator", "DDTreeVerifier", "ddtree_model_state_cls"]
+
+
+class DDTreeSpeculator(DFlashSpeculator):
+    """V2's DFlash speculator drafting with L mask tokens; returns one draft tree per request.
+
+    Mirrors ``vllm/v1/worker/gpu/spec_decode/dflash/speculator.py`` (``DFlashSpeculator``), whose
+    input preparation, context-KV precompute and drafter forward run unchanged.
+
+    Attributes:
+        ddtree: the engine's :class:`~vllm_ddtree.config.DDTreeConfig`.
+        num_verify_slots: ``K = max(B, L)``, draft rows per request in V2's batch.
+        trees: ``req_id -> DraftTree`` of the last ``propose`` (node tokens = the request's
+            draft tokens; rows past ``B`` are padding).
+        last_step: the step verified last, consumed by the next ``propose`` (accepted paths).
+        last_log_probs: ``[R, L, V]`` float32 drafter log-probs of the last pass.
+
+    Raises:
+        DDTreeConfigError: the budget cannot run with these scheduler settings.
+    """
+
+    def __init__(self, vllm_config: Any, device: torch.device):
+        ddtree = get_ddtree_config(vllm_config)
+        if ddtree is None:
+            raise ValueError("DDTreeSpeculator needs additional_config['ddtree']")
+        self.ddtree: DDTreeConfig = ddtree
+        #: Recurrent layers run the sequential tree oracle (every speculative row of the target).
+        self.hybrid = bool(getattr(vllm_config.model_config, "is_hybrid", False))
+        self.num_verify_slots = int(vllm_config.speculative_config.num_speculative_tokens)
+        fillable = count_prefixes(vllm_config.model_config.get_vocab_size(),
+                                  ddtree.drafter_horizon, ddtree.max_children, ddtree.budget)
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        if self.num_verify_slots + 1 > max_tokens or fillable < ddtree.budget:
+            raise DDTreeConfigError(
+                f"speculative_config['ddtree_budget']={ddtree.budget} cannot run: it needs "
+                f"{self.num_verify_slots + 1} slots per step (max_num_batched_tokens="
+                f"{max_tokens}) and {ddtree.budget} distinct draft prefixes ({fillable} exist)")
+        # The drafter runs L mask tokens; V2's runner keeps K = max(B, L) draft rows.
+        spec = copy.copy(vllm_config.speculative_config)
+        object.__setattr__(spec, "num_speculative_tokens", ddtree.drafter_horizon)
+        drafter_config = copy.copy(vllm_config)
+        drafter_config.speculative_config = spec
+        super().__init__(drafter_config, device)
+        self.trees: dict[str, DraftTree] = {}
+        self.last_step: TreeStep | None = None
+        self.last_log_probs: torch.Tensor | None = None
+        self._logits: torch.Tensor | None = None
+        self._tree_tokens = torch.zeros(self.max_num_reqs, self.num_verify_slots,
+                                        dtype=torch.int64, device=device)
+        self._cache_layers: dict[str, tuple[Any, torch.Tensor]] | None = None
+        from vllm_ddtree.attention.cuda import (
+            allocate_engine_tree_masks,
+            check_cudagraph_mode,
+            engine_uses_tree_mask_buffers,
+            install_tree_mask_buffers,
+        )
+
+        # The Triton tree backend (CUDA) reads static mask buffers, allocated here, before any
+        # CUDA-graph capture (the runner builds its speculator in __init__).
+        self.uses_tree_mask_buffers = engine_uses_tree_mask_buffers()
+        if self.uses_tree_mask_buffers:
+            check_cudagraph_mode(vllm_config.compilation_config.cudagraph_mode)
+            sched = vllm_config.scheduler_config
+            install_tree_mask_buffers(allocate_engine_tree_masks(
+                sched.max_num_seqs, ddtree.budget, device,
+                max_tree_tokens=sched.max_num_batched_tokens))
+        logger.info("DDTree speculator (Model Runner V2): node budget B=%d, drafter horizon "
+                    "L=%d, %d draft rows per request", ddtree.budget, ddtree.drafter_horizon,
+                    self.num_verify_slots)
+
+    def load_model(self, target_model: Any) -> None:
+        """The hybrid guard on the loaded target, then vLLM's DFlash drafter load.
+
+        Raises:
+            DDTreeConfigError: a recurrent layer (:func:`vllm_ddtree.hybrid.guard.check_recurrent_layers`).
+        """
+        from vllm.platforms import current_platform
+
+        from vllm_ddtree.hybrid.guard import check_recurrent_layers
+
+        check_recurrent_layers(target_model, self.ddtree.hybrid, on_cpu=current_platform.is_cpu())
+        super().load_model(target_model)
+
+    def init_cudagraph_manager(self, cudagraph_mode: Any) -> None:
+        """The drafter runs without full CUDA graphs: the trees need the ``[R * L, V]`` logits
+        in Python, which a replayed graph would leave in capture-time memory."""
+        from vllm.config.compilation import CUDAGraphMode
+
+        super().init_cudagraph_manager(CUDAGraphMode.NONE)
+
+    def set_attn(self, model_state: Any, *args: Any, **kwargs: Any) -> None:
+        """vLLM's attention set-up, then link the target's model state to this speculator."""
+        super().set_attn(model_state, *args, **kwargs)
+        if isinstance(model_state, DDTreeModelStateMixin):
+            model_state.ddtree_speculator = self
+
+    def _generate_draft(self, num_reqs: int, num_tokens_padded: int, attn_metadata: Any,
+                        slot_mappings: Any, num_tokens_across_dp: Any,
+                        cudagraph_runtime_mode: Any = None) -> None:
+        """The drafter forward of ``DFlashSpeculator._generate_draft``, keeping the logits of
+        every mask position (``[num_reqs * L, V]``) instead of sampling one token each."""
+        from vllm.config.compilation import CUDAGraphMode
+
+        hidden = self._run_model(num_tokens_padded, attn_metadata, slot_mappings,
+                                 num_tokens_across_dp,
+                                 cudagraph_runtime_mode or CUDAGraphMode.NONE)
+        num_sample = num_reqs * self.num_speculative_steps
+        self._logits = self.model.compute_logits(hidden[self.sample_indices[:num_sample]])
+
+    @torch.inference_mode()
+    def propose(self, input_batch: Any, attn_metadata: Any, slot_mappings: Any,
+                last_hidden_states: torch.Tensor, aux_hidden_states: Any, num_sampled: torch.Tensor,
+                num_rejected: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Commit the drafter context of the accepted paths, one DFlash pass, one tree each.
+
+        Returns:
+            ``[num_reqs, K]`` int64: each request's tree node tokens in node (pop) order, then
+            zeros (padding rows when ``B < K``).
+        """
+        step, self.last_step = self.last_step, None
+        if step is not None and not kwargs.get("dummy_run", False):
+            from vllm_ddtree.commit import gather_accepted_rows
+
+            gather_accepted_rows(aux_hidden_states or [last_hidden_states], step.requests)
+        super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                        aux_hidden_states, num_sampled, num_rejected, *args, **kwargs)
+        num_reqs = input_batch.num_reqs
+        logits, self._logits = self._logits, None
+        out = self._tree_tokens[:num_reqs]
+        out.zero_()
+        if logits is None or kwargs.get("dummy_run", False):
+            return out
+        L = self.ddtree.drafter_horizon
+        log_probs = torch.log_softmax(logits.float().view(num_reqs, L, -1), dim=-1)
+        req_ids = list(input_batch.req_ids[:num_reqs])
+        trees = self.build_trees(req_ids, log_probs)
+        B = self.ddtree.budget
+        host = torch.zeros(num_reqs, self.num_verify_slots, dtype=torch.int64)
+        for i, (req_id, tree) in enumerate(zip(req_ids, trees)):
+            if tree.num_nodes != B:  # only possible with -inf drafts
+                raise RuntimeError(
+                    f"DDTree built {tree.num_nodes} nodes for request {req_id}, expected {B}")
+            host[i, :B] = tree.token_ids
+            self.trees[req_id] = tree
+        live = set(req_ids)
+        for req_id in [r for r in self.trees if r not in live]:
+            del self.trees[req_id]  # finished, aborted or preempted requests
+        out.copy_(host)
+        return out
+
+    def target_cache_layers(self) -> dict[str, tuple[Any, torch.Tensor]]:
+        """``name -> (impl, kv_cache)`` of the target's tree-attention layers that own a KV cache
+        (CUDA KV compaction inside the caches); the drafter's and KV-sharing layers are left
+        out (a second copy into a shared cache would read moved slots)."""
+        if self._cache_layers is None:
+            from vllm_ddtree.attention.cuda import DDTreeTritonAttentionImpl
+
+            layers, seen = {}, set()
+            context = self.vllm_config.compilation_config.static_forward_context
+            for name, layer in context.items():
+                impl = getattr(layer, "impl", None)
+                if (name in self.draft_attn_layer_names
+                        or not isinstance(impl, DDTreeTritonAttentionImpl)
+                        or impl.attn_type != "decoder" or impl.kv_sharing_target_layer_name):
+                    continue
+                kv_cache = layer.kv_cache
+                if kv_cache.data_ptr() in seen:
+                    continue
+                seen.add(kv_cache.data_ptr())
+                layers[name] = (impl, kv_cache)
+            self._cache_layers = layers
+        return self._cache_layers
+
+    def build_trees(self, req_ids: list[str], log_probs: torch.Tensor) -> list[DraftTree]:
+        """Best-first draft trees (paper Alg. 1) from ``[R, L, V]`` float32 drafter log-probs."""
+        self.last_log_probs = log_probs
+        return build_draft_trees(log_probs, self.ddtree.budget, self.ddtree.max_children)
+
+
+class DDTreeModelStateMixin:
+    """Tree layout of each step for the target's model state (any V2 ``ModelState`` subclass).
+
+    ``ddtree_speculator`` is set by :meth:`DDTreeSpeculator.set_attn`; ``ddtree_step`` holds the
+    step being run, from ``prepare_attn`` until :class:`DDTreeVerifier` consumes it.
+    """
+
+    ddtree_speculator: DDTreeSpeculator | None = None
+    ddtree_step: TreeStep | None = None
+    ddtree_hybrid_ctx: Any = None
+    _ddtree_real_step = False
+
+    def preprocess_state(self, *args: Any, **kwargs: Any) -> None:
+        """vLLM's hook, run on real batches only (never dummy or capture runs): marks the
+        step's forward as one that verifies (``ModelState.preprocess_state``, V2)."""
+        super().preprocess_state(*args, **kwargs)  # type: ignore[misc]
+        self._ddtree_real_step = True
+
+    def prepare_attn(self, input_batch: Any, cudagraph_mode: Any, block_tables: Any,
+                     slot_mappings: torch.Tensor, attn_groups: Any, kv_cache_config: Any,
+                     for_capture: bool = False, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """vLLM's metadata, then this step's plan (``ModelState.prepare_attn``, V2)."""
+        from vllm_ddtree.attention.common import publish_tree_batch
+        from vllm_ddtree.hybrid.context import publish_hybrid_context
+
+        publish_tree_batch(None)  # a forward never inherits an earlier step's trees
+        publish_hybrid_context(None)
+        self.ddtree_step = self.ddtree_hybrid_ctx = None
+        real, self._ddtree_real_step = self._ddtree_real_step, False
+        spec = self.ddtree_speculator
+        if spec is not None and spec.uses_tree_mask_buffers:
+            from vllm_ddtree.attention.cuda import clear_tree_masks
+
+            clear_tree_masks()
+        metadata = super().prepare_attn(input_batch, cudagraph_mode, block_tables,  # type: ignore[misc]
+                                        slot_mappings, attn_groups, kv_cache_config,
+                                        for_capture, *args, **kwargs)
+        if for_capture or not real or spec is None:
+            return metadata
+        step = None
+        if input_batch.num_draft_tokens:
+            step = plan_v2_step(input_batch, spec.trees, slot_mappings.device)
+        if step is not None:
+            step.slot_mappings = build_slot_mappings_by_layer(slot_mappings, kv_cache_config)
+        self.ddtree_step = step
+        if spec.hybrid:  # every real forward: vLLM's speculative recurrent path is replaced
+            self.ddtree_hybrid_ctx = hybrid_context(step, input_batch)
+        return metadata
+
+    def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict[str, Any]:
+        """Depth positions for the tree rows (in place: a captured graph reads this buffer) and
+        the tree batch published to the attention backends, for the target's forward."""
+        out = super().prepare_inputs(input_batch, req_states)  # type: ignore[misc]
+        if self.ddtree_hybrid_ctx is not None:
+            from vllm_ddtree.hybrid.context import publish_hybrid_context
+
+            publish_hybrid_context(self.ddtree_hybrid_ctx)
+        step = self.ddtree_step
+        if step is None:
+            return out
+        from vllm_ddtree.attention.common import publish_tree_batch
+
+        if step.position_rows.numel():
+            input_batch.positions[step.position_rows] = step.tree_positions
+        if step.attn_batch.requests:
+            publish_tree_batch(step.attn_batch)
+            spec = self.ddtree_speculator
+            if spec is not None and spec.uses_tree_mask_buffers:
+                from vllm_ddtree.attention.cuda import publish_tree_masks
+
+                # In place, before the forward: a captured graph reads these buffers.
+                num_reqs = input_batch.num_reqs
+                publish_tree_masks(step.attn_batch.requests,
+                                   input_batch.query_start_loc_np[: num_reqs + 1].tolist(),
+                                   num_reqs)
+                step.cache_layers = spec.target_cache_layers()
+        return out
+
+    def custom_sampler(self, sampler: Any) -> tuple[Any, Any]:
+        """Keep vLLM's sampler; verification is :class:`DDTreeVerifier` (V2 ``custom_sampler``)."""
+        return sampler, DDTreeVerifier(sampler, self)
+
+
+def hybrid_context(step: TreeStep | None, input_batch: Any) -> Any:
+    """The recurrent-layer oracle's context for one V2 forward: each tree request's parents,
+    with V2's padding rows past the tree (``B < K``) as never-accepted children of the root."""
+    from vllm_ddtree.hybrid.context import HybridTreeContext
+
+    parents = {}
+    for r in (step.requests if step is not None else []):
+        if not r.is_tree:
+            continue
+        rows = int(input_batch.num_draft_tokens_per_req[r.batch_index]) + 1
+        pad = torch.zeros(rows - r.num_rows, dtype=r.tree.parents.dtype)
+        parents[r.batch_index] = torch.cat([r.tree.parents, pad])
+    return HybridTreeContext(parents)
+
+
+def plan_v2_step(input_batch: Any, trees: dict[str, DraftTree],
+                 device: torch.device) -> TreeStep | None:
+    """This step's :class:`~vllm_ddtree.step.TreeStep` from V2's ``InputBatch``.
+
+    A request's draft rows follow its root row; V2 schedules ``K`` rows (fewer near
+    ``max_model_len`` or the token budget) and feeds the speculator's tokens itself, so the tree
+    is matched by request id (:func:`vllm_ddtree.step.lay_out_step`).
+    """
+    per_req = input_batch.num_draft_tokens_per_req
+    if per_req is None:
+        return None
+    qsl = input_batch.query_start_loc_np
+    sched = input_batch.num_scheduled_tokens
+    computed = input_batch.num_computed_tokens_np
+    scheduled = []
+    for b, req_id in enumerate(input_batch.req_ids[: input_batch.num_reqs]):
+        n = int(per_req[b])
+        if n <= 0:
+            continue
+        root = int(qsl[b]) + int(sched[b]) - (n + 1)
+        tokens = None
+        if req_id not in trees:  # rare (e.g. a resumed request): verify its tokens as a chain
+            tokens = input_batch.input_ids[root + 1 : root + 1 + n].tolist()
+        scheduled.append(ScheduledDrafts(req_id, b, root,
+                                         int(computed[b]) + int(sched[b]) - (n + 1), n, tokens))
+    return lay_out_step(scheduled, trees, device)
+
+
+class DDTreeVerifier:
+    """Tree verification in place of V2's ``RejectionSampler`` (same call, same output).
+
+    Mirrors ``vllm/v1/worker/gpu/spec_decode/rejection_sampler.py`` (``RejectionSampler.__call__``)
+    for the output layout and logprobs; the acceptance rule is DDTree's walk (paper §3.4), which
+    commits exactly what target-only decoding would emit.
+    """
+
+    def __init__(self, sampler: Any, model_state: DDTreeModelStateMixin):
+        self.sampler = sampler
+        self.model_state = model_state
+
+    def __call__(self, logits: torch.Tensor, input_batch: Any, draft_logits: Any = None,
+                 invalid_drafts: Any = None) -> SamplerOutput:
+        """Verify this step's trees.
+
+        Args:
+            logits: ``[num_logits, V]`` target logits, request after request, node order.
+            input_batch: V2's ``InputBatch`` of the step.
+            draft_logits, invalid_drafts: unused (grammar-constrained drafts are refused at the
+                front end for DDTree).
+
+        Returns:
+            ``SamplerOutput`` with ``sampled_token_ids`` ``[num_reqs, K + 1]`` (accepted path's
+            tokens then the bonus token), ``num_sampled`` and ``num_rejected`` per request.
+        """
+        from vllm.v1.worker.gpu.metrics.logits import get_num_nans
+
+        from vllm_ddtree.attention.common import publish_tree_batch
+        from vllm_ddtree.hybrid.context import publish_hybrid_context
+
+        publish_tree_batch(None)
+        publish_hybrid_context(None)
+        step, self.model_state.ddtree_step = self.model_state.ddtree_step, None
+        hybrid_ctx, self.model_state.ddtree_hybrid_ctx = self.model_state.ddtree_hybrid_ctx, None
+        spec = self.model_state.ddtree_speculator
+        if spec is not None and spec.uses_tree_mask_buffers:
+            from vllm_ddtree.attention.cuda import clear_tree_masks
+
+            clear_tree_masks()
+        sampler = self.sampler
+        num_nans = get_num_nans(logits) if sampler.compute_nans else None
+        rows = input_batch.logits_indices
+        pos = input_batch.positions[rows]  # depth positions: a node's draw is keyed as in a chain
+        max_logprobs = sampler.sampling_states.max_num_logprobs(input_batch.idx_mapping_np)
+        choices, _ = sampler.sample(
+            logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping,
+            input_batch.idx_mapping_np, pos, input_batch.input_ids[rows],
+            input_batch.expanded_local_pos, input_batch.seq_lens_cpu_upper_bound.numpy(),
+            return_logprobs=max_logprobs != NO_LOGPROBS)
+        if step is not None and step.position_rows.numel():
+            input_batch.positions[step.position_rows] = step.chain_positions
+        cu = input_batch.cu_num_logits_np
+        num_reqs = input_batch.num_reqs
+        width = spec.num_verify_slots + 1 if spec is not None else int(np.max(np.diff(cu)))
+        host_choices = choices.view(-1).tolist()
+        sampled = torch.zeros(num_reqs, width, dtype=torch.int64)
+        num_sampled = torch.ones(num_reqs, dtype=torch.int32)
+        perm = list(range(logits.shape[0]))  # logits row of each emitted token
+        by_batch = {r.batch_index: r for r in step.requests} if step is not None else {}
+        for b in range(num_reqs):
+            lo = int(cu[b])
+            req = by_batch.get(b)
+            if req is None:
+                accepted = [0]
+            else:
+                accepted, _ = follow_tree(req.tree, host_choices[lo : lo + req.num_rows])
+                req.accepted = accepted
+            for j, a in enumerate(accepted):
+                sampled[b, j] = host_choices[lo + a]
+                perm[lo + j] = lo + a
+            num_sampled[b] = len(accepted)
+        emitted = num_sampled.tolist()
+        device = logits.device
+        num_sampled, num_rejected = get_num_sampled_and_rejected(
+            num_sampled.to(device), input_batch.seq_lens, input_batch.cu_num_logits,
+            input_batch.idx_mapping, sampler.req_states.prefill_len.gpu)
+        logprobs = None
+        if max_logprobs != NO_LOGPROBS:
+            # As RejectionSampler._get_logprobs_tensors, with the accepted path's logits rows
+            # moved to the front of each request: the emitted tokens' rows in emission order.
+            flat = torch.zeros(logits.shape[0], dtype=torch.int64)
+            for b in range(num_reqs):
+                n = int(emitted[b])
+                flat[int(cu[b]) : int(cu[b]) + n] = sampled[b, :n]
+            expanded = logits.shape[0] != num_reqs
+            logprobs = compute_topk_scores(
+                logits[torch.tensor(perm, device=device)], max_logprobs, flat.to(device),
+                cu.tolist() if expanded else None,
+                logits_mode=sampler.logprobs_mode in ("raw_logits", "processed_logits"))
+        sampled = sampled.to(device)
+        if step is not None:
+            commit_v2_step(step, hybrid_ctx)
+            if spec is not None:
+                spec.last_step = step
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs,
+                             num_nans=num_nans, num_sampled=num_sampled, num_rejected=num_rejected)
+
+
+def commit_v2_step(step: TreeStep, hybrid_ctx: Any = None) -> None:
+    """Commit the verified step (:mod:`vllm_ddtree.commit`): KV compaction (from the K/V the CPU
+    tree backend recorded, or inside each cache on CUDA) and, for hybrid targets, the accepted
+    paths' recurrent and conv state where V2's chain bookkeeping reads it."""
+    from vllm_ddtree.commit import compact_kv, compact_kv_in_cache, relayout_recurrent
+
+    if hybrid_ctx is not None:
+        relayout_recurrent(hybrid_ctx, step.requests)
+
+    if step.attn_batch.recorded_kv:
+        compact_kv(step.attn_batch, step.requests, step.slot_mappings)
+    elif step.cache_layers:
+        compact_kv_in_cache(step.cache_layers, step.requests, step.slot_mappings)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def ddtree_model_state_cls(base: type) -> type:
+    """``base`` (the model state vLLM resolved for the target) with :class:`DDTreeModelStateMixin`."""
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = type(f"DDTree{base.__name__}", (DDTreeModelStateMixin, base), {})
+        _CLASSES[base] = cls
+    return cls
