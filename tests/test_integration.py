@@ -172,9 +172,11 @@ def test_the_change_scanner_can_fail():
                "proc = MinPLogitsProcessor.__new__(MinPLogitsProcessor)\n")
     bad = change_sites(Path("vllm_ddtree/verify.py"), snippet)
     assert [b.split(": ")[1] for b in bad] == ["global swap", "env", "override"]
-    # verify.py is the registered site of a bare instance, but only through integration's helper
-    # is the register entry checked; patches.py is a registered env site.
-    assert change_sites(Path("vllm_ddtree/patches.py"), "os.environ['X'] = '0'\n") == []
+    # verify.py is the registered site of a bare instance, so its __new__ line passes (the
+    # helper integration.bare_instance checks the entry); models/__init__.py registers models.
+    assert change_sites(Path("vllm_ddtree/models/__init__.py"),
+                        "integration.register_model(arch, target)\n") == []
+    assert len(change_sites(Path("vllm_ddtree/patches.py"), "os.environ['X'] = '0'\n")) == 1
 
 
 def test_register_entries_are_well_formed():
@@ -186,7 +188,7 @@ def test_register_entries_are_well_formed():
         assert (ROOT / c.site).is_file(), c.target
         assert set(c.platforms) <= {"cpu", "cuda"} and c.platforms, c.target
         assert ":" in c.target and c.module.split(".")[0] in ("vllm", "torch"), c.target
-    assert {c.kind for c in integration.REGISTER} == set(integration.KINDS)
+    assert {c.kind for c in integration.REGISTER} <= set(integration.KINDS)
 
 
 def test_patches_feed_the_register(monkeypatch):

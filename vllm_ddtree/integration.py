@@ -1,10 +1,10 @@
 """The register: every change vllm-ddtree makes to vLLM or torch, and every vLLM symbol it uses.
 
 vLLM has no hook for a new speculative method, tree verification or KV compaction, so the plugin
-changes vLLM from outside (monkeypatches, attention-backend overrides, a model registration, a
-process-wide environment variable, module globals swapped for a moment, a class switch) and
-builds on vLLM internals (subclasses, private functions, instance attributes). :data:`REGISTER`
-lists all of it in one place. Each :class:`Change` names
+changes vLLM from outside (monkeypatches, attention-backend overrides, a model registration,
+module globals swapped for a moment, a class switch) and builds on vLLM internals (subclasses,
+private functions, instance attributes). :data:`REGISTER` lists all of it in one place. Each
+:class:`Change` names
 
 * ``target``: ``"module:qualname"`` (``"vllm.engine.arg_utils:EngineArgs.create_engine_config"``);
 * ``kind``: one of :data:`KINDS`;
@@ -166,6 +166,8 @@ _QWEN_GDN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 _SAMPLER = "vllm.v1.sample.sampler"
 _BATCH = "vllm.v1.worker.gpu_input_batch"
 _INT = "vllm_ddtree/integration.py"
+_V2 = "vllm_ddtree/runners/v2.py"
+_V2R = "vllm.v1.worker.gpu"
 _P, _PL, _V, _PR = ("vllm_ddtree/patches.py", "vllm_ddtree/plugin.py", "vllm_ddtree/verify.py",
                     "vllm_ddtree/proposer.py")
 _ACPU, _ACUDA, _SEL = ("vllm_ddtree/attention/cpu.py", "vllm_ddtree/attention/cuda.py",
@@ -235,7 +237,18 @@ REGISTER: list[Change] = [
        both("(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplus=False, "
             "state_batch_indices=None, dst_state_batch_indices=None, null_block_id=0, out=None, "
             "num_accepted_tokens=None, cu_seqlens=None, is_blackwell=False)"), _P, _CPU),
-    # ---- global swaps, env, overrides, registrations
+    # ---- patches: Model Runner V2
+    _c(f"{_V2R}.model_runner:init_speculator", "patch",
+       "V2's runner builds its speculator through this name: DDTree engines get "
+       "runners.v2.DDTreeSpeculator (V2's DFlashSpeculator drafting L tokens, one draft tree "
+       "per request).",
+       both("(vllm_config, device, req_states)"), _P),
+    _c(f"{_V2R}.model_states:resolve_model_state_cls", "patch",
+       "The target's model-state class vLLM resolves gets runners.v2.DDTreeModelStateMixin "
+       "mixed in (tree layout, depth positions, tree attention published, DDTreeVerifier as the "
+       "rejection sampler).",
+       both("(vllm_config, model)"), _P),
+    # ---- global swaps, overrides, registrations
     _c(f"{_RUNNER}:DFlashProposer", "global swap",
        "The runner module's DFlashProposer name is DDTreeProposer while the patched "
        "GPUModelRunner.__init__ calls vLLM's (so vLLM's own drafter set-up builds the DDTree "
@@ -246,10 +259,6 @@ REGISTER: list[Change] = [
        "speculative-aware GDN prefill picks the C++ conv that target-only decoding picks "
        "(patches._target_only_conv_choice); restored after the call.",
        both("()"), _P, _CPU),
-    _c("vllm.envs:VLLM_USE_V2_MODEL_RUNNER", "env",
-       "Set to '0' when a ddtree config is translated: the DDTree hooks live in the V1 model "
-       "runner (GPUModelRunner), which V2 replaces by default on CUDA.",
-       both(None), _P),
     _c(f"{_BACKENDS}:AttentionBackendEnum.CPU_ATTN", "override",
        "Pointed at vllm_ddtree.attention.cpu.DDTreeCPUAttentionBackend (vLLM's CPU backend with "
        "tree rows recomputed under the ancestor mask; vLLM's exactly outside DDTree).",
@@ -466,7 +475,110 @@ REGISTER: list[Change] = [
     _c("vllm.sequence:IntermediateTensors", "dependency",
        "Pipeline hand-off type of the replicated decoder forward.",
        both(None), _GRAN),
+    # ---- dependencies: Model Runner V2 (runners/v2.py)
+    _c(f"{_V2R}.spec_decode.dflash.speculator:DFlashSpeculator", "dependency",
+       "Subclassed by DDTreeSpeculator (input preparation, context-KV precompute and drafter "
+       "forward run unchanged).",
+       both(None), _V2),
+    _c(f"{_V2R}.spec_decode.dflash.speculator:DFlashSpeculator.__init__", "dependency",
+       "Called with a copy of the config whose num_speculative_tokens is L.",
+       both("(self, vllm_config, device)"), _V2),
+    _c(f"{_V2R}.spec_decode.dflash.speculator:DFlashSpeculator.load_model", "dependency",
+       "Overridden: the hybrid guard, then vLLM's load.",
+       both("(self, target_model)"), _V2),
+    _c(f"{_V2R}.spec_decode.dflash.speculator:DFlashSpeculator.init_cudagraph_manager",
+       "dependency",
+       "Overridden: the drafter runs without full CUDA graphs (its logits are read in Python).",
+       both("(self, cudagraph_mode)"), _V2),
+    _c(f"{_V2R}.spec_decode.dflash.speculator:DFlashSpeculator.set_attn", "dependency",
+       "Overridden and called: the model state learns its speculator.",
+       both("(self, model_state, kv_cache_config, block_tables, target_input_buffers, "
+            "target_attn_groups)"), _V2),
+    _c(f"{_V2R}.spec_decode.dflash.speculator:DFlashSpeculator._generate_draft", "dependency",
+       "Overridden: keeps the drafter logits the trees are built from.",
+       both("(self, num_reqs, num_tokens_padded, attn_metadata, slot_mappings, "
+            "num_tokens_across_dp, cudagraph_runtime_mode=...)"), _V2),
+    _c(f"{_V2R}.spec_decode.dflash.speculator:DFlashSpeculator._run_model", "dependency",
+       "Called by the overridden _generate_draft.",
+       both("(self, num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp, "
+            "cudagraph_runtime_mode=...)"), _V2),
+    _c(f"{_V2R}.spec_decode.dflash.speculator:DFlashSpeculator.propose", "dependency",
+       "Overridden and called: accepted-path hidden states gathered first, trees built after.",
+       both("(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, "
+            "aux_hidden_states, num_sampled, num_rejected, last_sampled, next_prefill_tokens, "
+            "temperature, seeds, dp_sync_state=None, dummy_run=False, "
+            "skip_attn_for_dummy_run=False, mm_inputs=None, is_profile=False, "
+            "num_speculative_tokens=None)"), _V2),
+    _c(f"{_V2R}.model_states.interface:ModelState.preprocess_state", "dependency",
+       "Overridden by the mixin (a real step starts here) and called.",
+       both("(self, input_batch, block_tables, kv_cache_config, num_computed_tokens)"), _V2),
+    _c(f"{_V2R}.model_states.interface:ModelState.prepare_attn", "dependency",
+       "Overridden by the mixin (trees laid onto the step, slot mappings kept) and called.",
+       both("(self, input_batch, cudagraph_mode, block_tables, slot_mappings, attn_groups, "
+            "kv_cache_config, for_capture=False, ubatch_idx=0)"), _V2),
+    _c(f"{_V2R}.model_states.interface:ModelState.prepare_inputs", "dependency",
+       "Overridden by the mixin (depth positions, tree batch published) and called.",
+       both("(self, input_batch, req_states)"), _V2),
+    _c(f"{_V2R}.model_states.interface:ModelState.custom_sampler", "dependency",
+       "Overridden by the mixin: DDTreeVerifier replaces the rejection sampler.",
+       both("(self, sampler)"), _V2),
+    _c(f"{_V2R}.model_states.default:DefaultModelState.prepare_inputs", "dependency",
+       "What the mixin's super() reaches for plain targets.",
+       both("(self, input_batch, req_states)"), _V2),
+    _c(f"{_V2R}.model_states.default:DefaultModelState.prepare_attn", "dependency",
+       "What the mixin's super() reaches for plain targets.",
+       both("(self, input_batch, cudagraph_mode, block_tables, slot_mappings, attn_groups, "
+            "kv_cache_config, for_capture=False, ubatch_idx=0, "
+            "model_specific_attn_metadata=None)"), _V2),
+    _c(f"{_V2R}.model_states.mamba_hybrid:MambaHybridModelState.preprocess_state", "dependency",
+       "What the mixin's super() reaches for hybrid targets.",
+       both("(self, input_batch, block_tables, kv_cache_config, num_computed_tokens)"), _V2),
+    _c(f"{_V2R}.model_states.mamba_hybrid:MambaHybridModelState.prepare_attn", "dependency",
+       "What the mixin's super() reaches for hybrid targets.",
+       both("(self, input_batch, cudagraph_mode, block_tables, slot_mappings, attn_groups, "
+            "kv_cache_config, for_capture=False, ubatch_idx=0, "
+            "model_specific_attn_metadata=None)"), _V2),
+    _c(f"{_V2R}.spec_decode.rejection_sampler:RejectionSampler.__call__", "dependency",
+       "DDTreeVerifier is called in its place, with the same arguments.",
+       both("(self, logits, input_batch, draft_logits=None, invalid_drafts=None)"), _V2),
+    _c(f"{_V2R}.sample.sampler:Sampler.sample", "dependency",
+       "The target's choice at every tree node (greedy, or keyed by seed and depth position).",
+       both("(self, logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, pos, input_ids, "
+            "expanded_local_pos, seq_lens_upper_bound_np, return_logprobs=False)"), _V2),
+    _c(f"{_V2R}.attn_utils:build_slot_mappings_by_layer", "dependency",
+       "Slot mappings of the step's tree rows per layer (KV compaction).",
+       both("(slot_mappings, kv_cache_config)"), _V2),
+    _c(f"{_V2R}.input_batch:get_num_sampled_and_rejected", "dependency",
+       "V2's chain bookkeeping from the accepted paths.",
+       both("(num_sampled, seq_lens, cu_num_logits, idx_mapping, prefill_len)"), _V2),
+    _c(f"{_V2R}.sample.logprob:compute_topk_scores", "dependency",
+       "Logprobs of the emitted tokens.",
+       both("(logits, num_logprobs, sampled_token_ids, cu_num_logits=None, "
+            "logprob_token_ids_state=None, expanded_idx_mapping=None, max_per_req_token_ids=0, "
+            "logits_mode=False)"), _V2),
+    _c(f"{_V2R}.sample.output:SamplerOutput", "dependency",
+       "What the verifier returns.",
+       both(None), _V2),
+    _c(f"{_V2R}.sample.states:NO_LOGPROBS", "dependency",
+       "Marks requests without logprobs.",
+       both(None), _V2),
+    _c(f"{_V2R}.metrics.logits:get_num_nans", "dependency",
+       "NaN count of the logits, as the rejection sampler reports it.",
+       both("(logits)"), _V2),
     # ---- attributes the plugin reads
+    *_attrs(f"{_V2R}.spec_decode.dflash.speculator:DFlashSpeculator",
+            "model sample_indices num_speculative_steps max_num_reqs draft_attn_layer_names "
+            "vllm_config",
+            "Read by DDTreeSpeculator (drafter logits per sampled row, its layers).", _V2),
+    *_attrs(f"{_V2R}.input_batch:InputBatch",
+            "num_reqs positions input_ids logits_indices idx_mapping idx_mapping_np "
+            "expanded_idx_mapping expanded_local_pos seq_lens seq_lens_cpu_upper_bound "
+            "cu_num_logits cu_num_logits_np query_start_loc_np num_draft_tokens "
+            "num_draft_tokens_per_req",
+            "V2's step layout the tree step is laid onto and verified in.", _V2),
+    *_attrs(f"{_V2R}.sample.sampler:Sampler",
+            "compute_nans sampling_states req_states logprobs_mode",
+            "Read by DDTreeVerifier as V2's rejection sampler reads them.", _V2),
     *_attrs(f"{_ARGS}:EngineArgs",
             "speculative_config spec_method spec_model spec_tokens async_scheduling "
             "logits_processors logprobs_mode additional_config enable_prefix_caching "
