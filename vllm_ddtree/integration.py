@@ -194,6 +194,11 @@ REGISTER: list[Change] = [
        "refuses min-p under chain speculative decoding only because its rejection sampler skips "
        "it).",
        both("(self, params, supported_tasks)"), _P),
+    _c("vllm.config.vllm:VllmConfig._validate_v1_model_runner", "patch",
+       "vLLM calls it exactly when the engine will run Model Runner V1, while the front end "
+       "builds the VllmConfig: a drafter only V2 can run (mixed sliding/full attention) is "
+       "refused there with a DDTreeConfigError saying how to get V2.",
+       both("(self)"), _P),
     # ---- patches: V1 model runner
     _c(f"{_RUNNER}:GPUModelRunner.__init__", "patch",
        "Builds DDTreeProposer where vLLM builds DFlashProposer and allocates the CUDA tree-mask "
@@ -585,6 +590,10 @@ REGISTER: list[Change] = [
             "max_num_batched_tokens attention_backend attention_config kv_cache_dtype",
             "Read and set by the front-end patches (config translation, refusals, backend "
             "selection, prefix caching for hybrids).", _P),
+    *_attrs("vllm.config.vllm:VllmConfig", "speculative_config",
+            "Where the V1 check finds the drafter's config.", _P),
+    *_attrs("vllm.config.speculative:SpeculativeConfig", "draft_model_config",
+            "The drafter's ModelConfig (its hf_config.layer_types).", _P),
     *_attrs("vllm.v1.engine.input_processor:InputProcessor", "vllm_config",
             "The engine config whose additional_config says whether DDTree is on.", _P),
     *_attrs(f"{_RUNNER}:GPUModelRunner",

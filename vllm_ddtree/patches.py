@@ -22,6 +22,8 @@ Worker (V1 model runner, ``vllm/v1/worker/gpu_model_runner.py``; the CPU runner 
     CUDA: inside each cache), drafter-context gather.
   * ``EngineArgs.create_engine_config``: the tree-attention backend (``TRITON_ATTN`` on CUDA) is
     selected, a user-named other one refused (:mod:`vllm_ddtree.attention.selection`).
+  * ``VllmConfig._validate_v1_model_runner``: on Model Runner V1, refuse a drafter only V2 can
+    run (mixed sliding/full attention) with a :class:`DDTreeConfigError` saying how to get V2.
 
 Each patch is an entry of the register (:mod:`vllm_ddtree.integration`, kind ``"patch"``): the
 :func:`patch` decorator binds the wrapper to that entry (or adds the entry from its ``why`` and
@@ -47,6 +49,7 @@ from vllm_ddtree import integration
 from vllm_ddtree.config import (
     ADDITIONAL_CONFIG_KEY,
     DDTreeConfigError,
+    check_drafter_on_v1_runner,
     draft_concurrency_warning,
     get_ddtree_config,
     translate_speculative_config,
@@ -208,17 +211,51 @@ def _create_engine_config(original: Callable) -> Callable:
             check_tree_attention_backend(self, current_platform_name())
             if self.enable_prefix_caching is not False:
                 check_hybrid_prefix_caching(self, self.create_model_config())
-        config = original(self, *args, **kwargs)
-        ddtree = get_ddtree_config(config)
-        if ddtree is not None:  # the scheduler limits are final only now
-            sched = config.scheduler_config
-            message = draft_concurrency_warning(ddtree, sched.max_num_batched_tokens,
-                                                sched.max_num_seqs, installed_vllm_version())
-            if message:
-                logger.warning("%s", message)
-        return config
+            try:
+                config = original(self, *args, **kwargs)
+            except ValueError as e:
+                ours = _ddtree_error_in(e)
+                if ours is None:
+                    raise
+                raise ours from None
+            ddtree = get_ddtree_config(config)
+            if ddtree is not None:  # the scheduler limits are final only now
+                sched = config.scheduler_config
+                message = draft_concurrency_warning(ddtree, sched.max_num_batched_tokens,
+                                                    sched.max_num_seqs, installed_vllm_version())
+                if message:
+                    logger.warning("%s", message)
+            return config
+        return original(self, *args, **kwargs)
 
     return create_engine_config
+
+
+def _ddtree_error_in(error: ValueError) -> DDTreeConfigError | None:
+    """Our own error inside pydantic's ``ValidationError`` (``VllmConfig`` wraps what its
+    ``__post_init__`` raises), so that the user sees a ``DDTreeConfigError``."""
+    errors = getattr(error, "errors", None)
+    if not callable(errors):
+        return None
+    for item in errors():
+        inner = (item.get("ctx") or {}).get("error")
+        if isinstance(inner, DDTreeConfigError):
+            return inner
+    return None
+
+
+@patch("vllm.config.vllm", "VllmConfig._validate_v1_model_runner")
+def _validate_v1_model_runner(original: Callable) -> Callable:
+    # vLLM calls this exactly when the engine will run Model Runner V1, while it builds the
+    # VllmConfig in the front end: the one place that knows the runner before any worker starts.
+    def _validate_v1_model_runner(self):
+        ddtree = get_ddtree_config(self)
+        draft = getattr(self.speculative_config, "draft_model_config", None)
+        if ddtree is not None and draft is not None:
+            check_drafter_on_v1_runner(ddtree.drafter, getattr(draft.hf_config, "layer_types", None))
+        return original(self)
+
+    return _validate_v1_model_runner
 
 
 @patch("vllm.engine.arg_utils", "EngineArgs.create_speculative_config")

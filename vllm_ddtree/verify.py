@@ -251,3 +251,53 @@ def validate_sampling_params(params: Any) -> None:
 
 def _where(parameter: str, value: Any) -> dict[str, Any]:
     return {} if _ClientError is ValueError else {"parameter": parameter, "value": value}
+
+
+def walk_step(
+    choices: Sequence[int],
+    cu_num_logits: Sequence[int],
+    step_requests: dict[int, StepRequest],
+    width: int,
+) -> tuple[torch.Tensor, list[int], list[int]]:
+    """The walk of every request of one step, from the target's choice at every logits row.
+
+    Runner-independent (paper §3.4): for a request with a tree the walk follows the target's
+    choices down the tree (:func:`~vllm_ddtree.tree.follow_tree`) and fills ``accepted``; any
+    other request emits the choice at its first row (a prefill or a request without drafts).
+    Rows of a request past its tree (V2's padding rows) are never read.
+
+    Args:
+        choices: ``[num_logits]`` the target's token at every logits row (argmax or sample).
+        cu_num_logits: ``[num_reqs + 1]`` first logits row of each request.
+        step_requests: ``batch_index -> StepRequest`` of the requests that verify drafts.
+        width: columns of the output (``K + 1`` for V2's layout).
+
+    Returns:
+        ``(sampled, num_emitted, rows)``: ``sampled`` ``[num_reqs, width]`` int64 on the host,
+        per request the accepted nodes' tokens then the bonus token, 0 padded; ``num_emitted``
+        tokens per request (``len(accepted)``); ``rows`` ``[num_logits]``, the logits row of
+        each request's ``j``-th emitted token moved to row ``cu[b] + j`` (identity elsewhere),
+        so logprobs computed on ``logits[rows]`` follow emission order.
+
+    Raises:
+        ValueError: a request has more accepted nodes than ``width``.
+    """
+    num_reqs = len(cu_num_logits) - 1
+    sampled = torch.zeros(num_reqs, width, dtype=torch.int64)
+    num_emitted: list[int] = []
+    rows = list(range(int(cu_num_logits[-1]) if num_reqs else 0))
+    for b in range(num_reqs):
+        lo = int(cu_num_logits[b])
+        req = step_requests.get(b)
+        if req is None:
+            accepted = [0]
+        else:
+            accepted, _ = follow_tree(req.tree, choices[lo : lo + req.num_rows])
+            req.accepted = accepted
+        if len(accepted) > width:
+            raise ValueError(f"request row {b}: {len(accepted)} tokens exceed width {width}")
+        for j, a in enumerate(accepted):
+            sampled[b, j] = int(choices[lo + a])
+            rows[lo + j] = lo + a
+        num_emitted.append(len(accepted))
+    return sampled, num_emitted, rows

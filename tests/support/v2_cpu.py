@@ -8,8 +8,9 @@ adds a stand-in ``"cpu"`` backend (active driver, a compiler that supports no ta
 (a subclass of V2's ``GPUModelRunner``) and every ``@triton.jit`` kernel runs through Triton's
 interpreter on CPU tensors. Slow: tiny models and few tokens only.
 
-Must run before anything imports vLLM, in every process that runs a worker (this module's
-directory ``sitecustomize/`` does it for spawned processes when put on ``PYTHONPATH``).
+Must run before anything imports vLLM, in every process that runs a worker (``v2_site/`` next
+to this module holds a ``sitecustomize.py`` that does it for spawned processes when put on
+``PYTHONPATH``; :mod:`tests.support.v2_run` runs V2 engines that way).
 """
 
 from __future__ import annotations

@@ -47,7 +47,8 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.config import DDTreeConfig, DDTreeConfigError, count_prefixes, get_ddtree_config
 from vllm_ddtree.step import ScheduledDrafts, TreeStep, lay_out_step
-from vllm_ddtree.tree import DraftTree, build_draft_trees, follow_tree
+from vllm_ddtree.tree import DraftTree, build_draft_trees
+from vllm_ddtree.verify import walk_step
 
 logger = logging.getLogger("vllm.ddtree")
 
@@ -411,35 +412,19 @@ class DDTreeVerifier:
         cu = input_batch.cu_num_logits_np
         num_reqs = input_batch.num_reqs
         width = spec.num_verify_slots + 1 if spec is not None else int(np.max(np.diff(cu)))
-        host_choices = choices.view(-1).tolist()
-        sampled = torch.zeros(num_reqs, width, dtype=torch.int64)
-        num_sampled = torch.ones(num_reqs, dtype=torch.int32)
-        perm = list(range(logits.shape[0]))  # logits row of each emitted token
         by_batch = {r.batch_index: r for r in step.requests} if step is not None else {}
-        for b in range(num_reqs):
-            lo = int(cu[b])
-            req = by_batch.get(b)
-            if req is None:
-                accepted = [0]
-            else:
-                accepted, _ = follow_tree(req.tree, host_choices[lo : lo + req.num_rows])
-                req.accepted = accepted
-            for j, a in enumerate(accepted):
-                sampled[b, j] = host_choices[lo + a]
-                perm[lo + j] = lo + a
-            num_sampled[b] = len(accepted)
-        emitted = num_sampled.tolist()
+        sampled, emitted, perm = walk_step(choices.view(-1).tolist(), cu, by_batch, width)
         device = logits.device
+        # Chunked-prefill rows emit nothing yet (seq_len < prefill_len), as in vLLM's samplers.
         num_sampled, num_rejected = get_num_sampled_and_rejected(
-            num_sampled.to(device), input_batch.seq_lens, input_batch.cu_num_logits,
-            input_batch.idx_mapping, sampler.req_states.prefill_len.gpu)
+            torch.tensor(emitted, dtype=torch.int32, device=device), input_batch.seq_lens,
+            input_batch.cu_num_logits, input_batch.idx_mapping, sampler.req_states.prefill_len.gpu)
         logprobs = None
         if max_logprobs != NO_LOGPROBS:
             # As RejectionSampler._get_logprobs_tensors, with the accepted path's logits rows
             # moved to the front of each request: the emitted tokens' rows in emission order.
             flat = torch.zeros(logits.shape[0], dtype=torch.int64)
-            for b in range(num_reqs):
-                n = int(emitted[b])
+            for b, n in enumerate(emitted):
                 flat[int(cu[b]) : int(cu[b]) + n] = sampled[b, :n]
             expanded = logits.shape[0] != num_reqs
             logprobs = compute_topk_scores(
