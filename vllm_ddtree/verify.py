@@ -62,7 +62,9 @@ def _node_min_p(min_p: Sequence[float], reps: torch.Tensor) -> Any:
     """
     from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
 
-    proc = MinPLogitsProcessor.__new__(MinPLogitsProcessor)
+    from vllm_ddtree import integration
+
+    proc = integration.bare_instance(MinPLogitsProcessor)
     values = torch.tensor(list(min_p), dtype=torch.float32, device=reps.device)
     proc.min_p = values.repeat_interleave(reps).unsqueeze(1)
     proc.min_p_count = int((values > 0).sum())

@@ -12,9 +12,10 @@ def register_models() -> None:
     """Register :data:`MODEL_OVERRIDES` with ``vllm.ModelRegistry`` (idempotent, imports no model code).
 
     Call it in every process that builds a model (the plugin's ``register()`` does): the string form
-    is resolved lazily when vLLM first inspects or loads the architecture.
+    is resolved lazily when vLLM first inspects or loads the architecture. Each is a
+    ``"registration"`` entry of :mod:`vllm_ddtree.integration`.
     """
-    from vllm import ModelRegistry
+    from vllm_ddtree import integration
 
     for arch, target in MODEL_OVERRIDES.items():
-        ModelRegistry.register_model(arch, target)
+        integration.register_model(arch, target)

@@ -31,6 +31,8 @@ from vllm.model_executor.models.granitemoehybrid import GraniteMoeHybridForCausa
 from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3
 from vllm.sequence import IntermediateTensors
 
+from vllm_ddtree import integration
+
 
 class GraniteMoeHybridEagle3Model(GraniteMoeHybridModel, EagleModelMixin):
     """vLLM's Granite decoder plus aux hidden-state outputs (installed by class switch, never built)."""
@@ -74,4 +76,4 @@ class GraniteMoeHybridEagle3ForCausalLM(GraniteMoeHybridForCausalLM, SupportsEag
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         if type(self.model) is not GraniteMoeHybridModel:  # pragma: no cover - a vLLM change
             raise TypeError(f"expected vLLM's GraniteMoeHybridModel, got {type(self.model).__name__}")
-        self.model.__class__ = GraniteMoeHybridEagle3Model
+        integration.switch_class(self.model, GraniteMoeHybridEagle3Model)

