@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ddtree.testing.models import make_llm, release_llm
+from tests.support.models import make_llm, release_llm
 
 ROOT = Path(__file__).resolve().parents[1]
 
