@@ -169,8 +169,11 @@ def register_unknown_recurrent_model() -> None:
     """
     from vllm import ModelRegistry
 
-    ModelRegistry.register_model(
-        UNKNOWN_RECURRENT_ARCH, "tests.support.unknown_recurrent:UnknownRecurrentForCausalLM")
+    from tests.support.unknown_recurrent import UnknownRecurrentForCausalLM
+
+    # The class itself, not a "module:Class" string: vLLM inspects a lazy entry in a fresh
+    # subprocess, where tests.support imports only if the working directory is the repo root.
+    ModelRegistry.register_model(UNKNOWN_RECURRENT_ARCH, UnknownRecurrentForCausalLM)
 
 
 def with_architecture(model_dir: str | os.PathLike, out_dir: str | os.PathLike, arch: str) -> Path:
