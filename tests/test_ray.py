@@ -64,3 +64,5 @@ def test_ray_tp2_ddtree_equals_target_only(qwen3_target, dflash_drafter, tmp_pat
     assert m["vllm:spec_decode_num_accepted_tokens"] > m["vllm:spec_decode_num_drafts"], m
     ready = [line for line in out.splitlines() if "DDTree proposer ready in pid" in line]
     assert len({line.split("in pid ")[1].split(":")[0] for line in ready}) >= 2, ready
+    injected = [line for line in out.splitlines() if "tests.support: oracle drafts (V1)" in line]
+    assert len({line.split(" in pid ")[1] for line in injected}) >= 2, injected
