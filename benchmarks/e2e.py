@@ -118,8 +118,11 @@ def wrap_steps(llm) -> list[float]:
     return times
 
 
-# vLLM's spec-decode counters, read the same way as the main job does.
+# vLLM's spec-decode counters, read the same way as the main job does. The repository root too:
+# the tiny-model builders, trained-pair paths and oracle drafts are test support (tests/support),
+# not part of the installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from generate import spec_counts  # noqa: E402
 
 
@@ -156,8 +159,8 @@ def measure(llm, steps, stages, prompts, params, batch):
 def part1(args, stages):
     from vllm import SamplingParams
 
-    from vllm_ddtree.testing import trained
-    from vllm_ddtree.testing.models import make_llm, release_llm
+    from tests.support import trained
+    from tests.support.models import make_llm, release_llm
 
     target, drafter = (str(p) for p in trained.require())
     prompts = trained.heldout_prompts(args.num_prompts)
@@ -194,9 +197,9 @@ def part1(args, stages):
 def part2(args, stages):
     from vllm import SamplingParams
 
-    from vllm_ddtree.testing import trained
-    from vllm_ddtree.testing.injection import ReferenceDraftInjector, injected_drafts
-    from vllm_ddtree.testing.models import build_dflash_drafter, build_qwen3_target, cached_build, make_llm, release_llm
+    from tests.support import trained
+    from tests.support.models import build_dflash_drafter, build_qwen3_target, cached_build, make_llm, release_llm
+    from tests.support.oracle_drafts import OracleDrafts, injected_drafts
 
     n = args.part2_layers
     target = cached_build(Path(args.cache), "bench_qwen3_06b_shape", build_qwen3_target, num_layers=n,
@@ -219,7 +222,7 @@ def part2(args, stages):
         # DDTree's drafts are the oracle: the continuation the engine itself will produce. In bf16
         # that is not always AR's: vLLM's CPU attention kernel rounds a row differently in
         # different call shapes (query length, split-KV, batch), so a one-ulp near-tie of this
-        # random target can flip (stock DFlash flips too). The injector stops at the first token
+        # random target can flip (stock DFlash flips too). The oracle stops at the first token
         # off its reference, so the reference is refreshed with the engine's own output until
         # the output equals it (at most --part2-oracle-rounds runs); the last run is timed.
         refs = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in ar_out} if ar_out else None
@@ -229,7 +232,7 @@ def part2(args, stages):
             steps.clear()
             stages.reset()
             if spec is not None and spec["method"] == "ddtree":
-                with injected_drafts(ReferenceDraftInjector(refs)):
+                with injected_drafts(OracleDrafts(refs)):
                     outs = llm.generate(prompt, params, use_tqdm=False)
             else:
                 outs = llm.generate(prompt, params, use_tqdm=False)
@@ -402,7 +405,7 @@ def _plot(path, p1, args):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from vllm_ddtree.testing.models import apply_cpu_test_env
+    from tests.support.models import apply_cpu_test_env
 
     apply_cpu_test_env()  # in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), 1 GiB KV cache
     t0 = time.time()

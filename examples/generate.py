@@ -10,7 +10,8 @@ every prompt.
 
 ``--target``/``--drafter`` run other models (e.g. the random test fixtures); ``--oracle-drafts``
 replaces the drafter's distributions by ones built from the target's own greedy continuation
-(the test-only injection hook, in-process engine) — the mechanism, not a drafter's quality.
+(the test-only oracle of ``tests/support/oracle_drafts.py``, in-process engine) — the mechanism,
+not a drafter's quality.
 ``--dflash`` adds vLLM's own DFlash chain method with the same drafter.
 
 Example::
@@ -24,6 +25,11 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
+
+# The trained pair's paths, the tiny-model engine settings and the oracle drafts are test support
+# (tests/support in the source checkout), not part of the installed package.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,11 +83,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.oracle_drafts:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the hook lives in the worker
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the oracle is installed in this process
     from vllm import LLM, SamplingParams
 
-    from vllm_ddtree.testing import trained
-    from vllm_ddtree.testing.models import llm_kwargs, read_config, release_llm
+    from tests.support import trained
+    from tests.support.models import llm_kwargs, read_config, release_llm
+    from tests.support.oracle_drafts import OracleDrafts, injected_drafts
 
     target, drafter = args.target, args.drafter
     if target is None or drafter is None:
@@ -111,10 +118,8 @@ def main(argv=None) -> int:
         llm = LLM(**llm_kwargs(target, speculative_config=spec))
         timed_generate(llm, prompts[:1], params)  # warm-up
         if args.oracle_drafts and spec["method"] == "ddtree":
-            from vllm_ddtree.testing.injection import ReferenceDraftInjector, injected_drafts
-
             refs = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in ref}
-            with injected_drafts(ReferenceDraftInjector(refs)):
+            with injected_drafts(OracleDrafts(refs)):
                 out, (drafts, accepted, per_pos), n, t = timed_generate(llm, prompts, params)
         else:
             out, (drafts, accepted, per_pos), n, t = timed_generate(llm, prompts, params)

@@ -23,7 +23,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from vllm_ddtree.testing.models import TinyModelZoo, apply_cpu_test_env
+from tests.support.models import TinyModelZoo, apply_cpu_test_env
 
 apply_cpu_test_env()
 
@@ -31,7 +31,7 @@ apply_cpu_test_env()
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> TinyModelZoo:
     """Lazy zoo of tiny models: ``tiny_models.get("qwen3_target")`` (or ``tiny_models["..."]``)
-    builds on first use and returns the model directory. See ``vllm_ddtree.testing.models``."""
+    builds on first use and returns the model directory. See ``tests.support.models``."""
     cache = os.environ.get("VLLM_DDTREE_MODEL_CACHE")
     root = Path(cache) if cache else tmp_path_factory.mktemp("tiny-models")
     return TinyModelZoo(root)
@@ -77,6 +77,6 @@ def granite_hybrid_target(tiny_models) -> Path:
 def nemotron_h_pair(tiny_models) -> tuple[Path, Path]:
     """Random-weight NemotronHForCausalLM (3 Mamba2, 1 attention, 2 MLP layers; fp32) and a
     DFlash drafter for it (block_size 16)."""
-    from vllm_ddtree.testing.hybrid_models import nemotron_h_models
+    from tests.support.hybrid_models import nemotron_h_models
 
     return nemotron_h_models(tiny_models.cache_root)

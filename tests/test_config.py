@@ -279,7 +279,7 @@ def test_unsupported_sampling_is_refused(kw, name):
 def test_llm_refuses_unsupported_request(qwen3_target, dflash_drafter):
     from vllm import SamplingParams
 
-    from vllm_ddtree.testing.models import make_llm, release_llm
+    from tests.support.models import make_llm, release_llm
 
     llm = make_llm(qwen3_target, speculative_config={
         "method": "ddtree", "model": str(dflash_drafter), "ddtree_budget": 4})

@@ -357,20 +357,17 @@ def test_engine_args_named_backend_is_a_start_up_error(qwen3_target, dflash_draf
 
 def test_triton_backend_in_a_cpu_engine_is_exact(qwen3_target, dflash_drafter, monkeypatch):
     """The CUDA path end to end, minus the GPU: a CPU engine with the Triton tree backend
-    (:mod:`vllm_ddtree.testing.triton_cpu`; kernel interpreted), so the runner allocates, writes
+    (:mod:`tests.support.triton_cpu`; kernel interpreted), so the runner allocates, writes
     and clears the static mask buffers and compacts KV inside the cache. Greedy output equals
     target-only decoding (vLLM's CPU backend) with injected drafts whose accepted paths leave the
     spine, including a chunked prefill sharing steps with trees."""
     from vllm import SamplingParams
 
     from vllm_ddtree import commit
-    from vllm_ddtree.testing.injection import (
-        ReferenceDraftInjector,
-        injected_drafts,
-        recorded_verification,
-    )
-    from vllm_ddtree.testing.models import make_llm, release_llm
-    from vllm_ddtree.testing.triton_cpu import triton_backend_on_cpu
+    from tests.support.models import make_llm, release_llm
+    from tests.support.oracle_drafts import OracleDrafts, injected_drafts
+    from tests.support.recorder import recorded_verification
+    from tests.support.triton_cpu import triton_backend_on_cpu
 
     if _NO_KERNEL is not None:
         pytest.skip(_NO_KERNEL)
@@ -409,8 +406,8 @@ def test_triton_backend_in_a_cpu_engine_is_exact(qwen3_target, dflash_drafter, m
             assert tree_cuda.installed_tree_mask_buffers() is not None
             # (Only injected drafts: with the random drafter every step verifies one token and
             # the interpreted kernel makes ~30 such steps cost minutes.)
-            injector = ReferenceDraftInjector(refs, lambda depth, i: 1 if i % 7 == 3 else 0)
-            with injected_drafts(injector), recorded_verification() as rec:
+            oracle = OracleDrafts(refs, lambda depth, i: 1 if i % 7 == 3 else 0)
+            with injected_drafts(oracle), recorded_verification() as rec:
                 got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
             assert got == want
             # cleared after every target forward: no later forward can read a stale tree

@@ -1,4 +1,4 @@
-"""Checks of the tiny-model fixtures (``vllm_ddtree.testing.models``) against stock vLLM on CPU.
+"""Checks of the tiny-model fixtures (``tests.support.models``) against stock vLLM on CPU.
 
 Fast part (default run): tokenizer, builder determinism / cache keys, checkpoint layouts, the Qwen3
 target in vLLM (generation, prompt dependence, top-1/top-2 logit gap) and vLLM's own ``dflash``
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ddtree.testing import models as tm
+from tests.support import models as tm
 
 # Prompts for the vLLM checks. The last two differ only in their first line, so equal outputs
 # for them would mean the continuation ignores earlier context.

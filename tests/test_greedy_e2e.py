@@ -1,7 +1,7 @@
 """Greedy DDTree through vLLM equals target-only decoding, token for token.
 
 Random drafters accept almost nothing, so most runs also inject draft distributions built from the
-target's own greedy continuation (``vllm_ddtree.testing.injection``): deep acceptance, and
+target's own greedy continuation (``tests.support.oracle_drafts``): deep acceptance, and
 accepted paths that leave the top-1 spine, which only stay lossless if positions, tree attention
 and KV compaction are all right.
 """
@@ -15,12 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_ddtree.testing.injection import (
-    ReferenceDraftInjector,
-    injected_drafts,
-    recorded_verification,
-)
-from vllm_ddtree.testing.models import make_llm, release_llm
+from tests.support.models import make_llm, release_llm
+from tests.support.oracle_drafts import OracleDrafts, injected_drafts
+from tests.support.recorder import recorded_verification
 
 L = 15  # the fixture drafter: block_size 16
 ENGINE = dict(max_model_len=1024, max_num_batched_tokens=128, max_num_seqs=8)
@@ -101,21 +98,21 @@ def test_greedy_equals_target_only(qwen3_target, dflash_drafter, reference, budg
         # The random drafter: almost nothing accepted, output still exact.
         assert _token_ids(llm.generate(PROMPTS, _params())) == reference["ids"]
 
-        injector = ReferenceDraftInjector(reference["refs"], _spine_with_sidesteps)
+        oracle = OracleDrafts(reference["refs"], _spine_with_sidesteps)
         before = _spec_metrics(llm)
-        with injected_drafts(injector), recorded_verification() as rec:
+        with injected_drafts(oracle), recorded_verification() as rec:
             got = _token_ids(llm.generate(PROMPTS, _params()))
         after = _spec_metrics(llm)
         assert got == reference["ids"]
-        assert injector.calls, "the injected drafts never reached the proposer"
+        assert oracle.hits, "the injected drafts never reached the proposer"
 
         # The whole top-1 spine correct: the deepest trees are accepted in full.
-        with injected_drafts(ReferenceDraftInjector(reference["refs"], rank_gap=8.0)), \
+        with injected_drafts(OracleDrafts(reference["refs"], rank_gap=8.0)), \
                 recorded_verification() as spine_rec:
             assert _token_ids(llm.generate(PROMPTS, _params())) == reference["ids"]
 
         # Stop tokens inside accepted paths: nothing after them is emitted.
-        with injected_drafts(injector):
+        with injected_drafts(oracle):
             assert _token_ids(llm.generate(PROMPTS, reference["stop_params"])) == reference[
                 "stopped"
             ]
@@ -152,9 +149,9 @@ def recorded_b40(qwen3_target, dflash_drafter, reference):
     from transformers import AutoModelForCausalLM
 
     llm = _ddtree(qwen3_target, dflash_drafter, 40)
-    injector = ReferenceDraftInjector(reference["refs"], _spine_with_sidesteps)
+    oracle = OracleDrafts(reference["refs"], _spine_with_sidesteps)
     try:
-        with injected_drafts(injector), recorded_verification() as rec:
+        with injected_drafts(oracle), recorded_verification() as rec:
             outs = llm.generate(PROMPTS[:4], _params()[:4])
     finally:
         release_llm(llm)
@@ -191,7 +188,7 @@ def test_drafter_context_is_the_accepted_path(recorded_b40, dflash_drafter):
     """After an accepted path leaves the spine, the rows the next DFlash pass reads hold the
     target's tapped hidden states of root + accepted path, in path order (equal to a chain run
     of the same tokens in Hugging Face transformers)."""
-    from vllm_ddtree.testing.models import read_config
+    from tests.support.models import read_config
 
     rec, full, hf = recorded_b40
     layer_ids = read_config(dflash_drafter)["dflash_config"]["target_layer_ids"]
@@ -217,9 +214,9 @@ def test_skipping_kv_compaction_breaks_equality(qwen3_target, dflash_drafter, re
 
     monkeypatch.setattr(commit, "compact_kv", lambda *a, **k: 0)
     llm = _ddtree(qwen3_target, dflash_drafter, 40)
-    injector = ReferenceDraftInjector(reference["refs"], _spine_with_sidesteps)
+    oracle = OracleDrafts(reference["refs"], _spine_with_sidesteps)
     try:
-        with injected_drafts(injector):
+        with injected_drafts(oracle):
             got = _token_ids(llm.generate(PROMPTS, _params()))
     finally:
         release_llm(llm)
@@ -241,7 +238,7 @@ def test_preemption_and_recompute(qwen3_target, dflash_drafter):
     release_llm(llm)
     llm = _ddtree(qwen3_target, dflash_drafter, 16, **small)
     try:
-        with injected_drafts(ReferenceDraftInjector(refs, _spine_with_sidesteps)):
+        with injected_drafts(OracleDrafts(refs, _spine_with_sidesteps)):
             got = _token_ids(llm.generate(prompts, params))
         preempted = [
             x for x in llm.get_metrics() if x.name == "vllm:num_preemptions"
@@ -283,7 +280,7 @@ def test_eos_inside_accepted_path(qwen3_target, dflash_drafter, reference, tmp_p
     assert len(want[0]) == cut + 1 and want[0][-1] == eos
     llm = _ddtree(variant, dflash_drafter, 16)
     try:
-        with injected_drafts(ReferenceDraftInjector(reference["refs"])):
+        with injected_drafts(OracleDrafts(reference["refs"])):
             got = _token_ids(llm.generate(PROMPTS, params))
     finally:
         release_llm(llm)
@@ -305,7 +302,7 @@ def test_bf16_greedy_equals_target_only(qwen3_target, dflash_drafter):
         llm = _ddtree(qwen3_target, dflash_drafter, budget, dtype="bfloat16")
         try:
             assert _token_ids(llm.generate(PROMPTS, params, use_tqdm=False)) == want
-            with injected_drafts(ReferenceDraftInjector(refs, _spine_with_sidesteps)), \
+            with injected_drafts(OracleDrafts(refs, _spine_with_sidesteps)), \
                     recorded_verification() as rec:
                 assert _token_ids(llm.generate(PROMPTS, params, use_tqdm=False)) == want
         finally:
@@ -331,7 +328,7 @@ def test_large_budget_keeps_drafting_near_max_model_len(qwen3_target, dflash_dra
     for budget in (15, 128):
         llm = _ddtree(qwen3_target, dflash_drafter, budget, **engine)
         try:
-            with injected_drafts(ReferenceDraftInjector(refs, rank_gap=8.0)), \
+            with injected_drafts(OracleDrafts(refs, rank_gap=8.0)), \
                     recorded_verification() as rec:
                 got = _token_ids(llm.generate([prompt], params, use_tqdm=False))
         finally:

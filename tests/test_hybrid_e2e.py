@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_ddtree.testing.injection import (
-    ReferenceDraftInjector,
-    injected_drafts,
-    recorded_verification,
-)
-from vllm_ddtree.testing.models import greedy_mismatches, make_llm, release_llm
+from tests.support.models import greedy_mismatches, make_llm, release_llm
+from tests.support.oracle_drafts import OracleDrafts, injected_drafts
+from tests.support.recorder import recorded_verification
 
 PROMPTS = [
     "def main():\n",
@@ -73,8 +70,8 @@ def test_hybrid_greedy_equals_target_only(hybrid, budget, horizon):
     llm = make_llm(hybrid["target"], speculative_config=spec, **ENGINE)
     try:
         random_out = llm.generate(PROMPTS, _params(), use_tqdm=False)
-        injector = ReferenceDraftInjector(hybrid["refs"], _sidesteps)
-        with injected_drafts(injector), recorded_verification() as rec:
+        oracle = OracleDrafts(hybrid["refs"], _sidesteps)
+        with injected_drafts(oracle), recorded_verification() as rec:
             injected_out = llm.generate(PROMPTS, _params(), use_tqdm=False)
     finally:
         release_llm(llm)
@@ -85,14 +82,14 @@ def test_hybrid_greedy_equals_target_only(hybrid, budget, horizon):
             assert [list(o.outputs[0].token_ids) for o in out] == [
                 list(o.outputs[0].token_ids) for o in hybrid["ref"]]
     accepted = [r["accepted"] for r in rec.records]
-    assert injector.calls and accepted
+    assert oracle.hits and accepted
     assert max(len(a) - 1 for a in accepted) >= 3, "injected trees were not accepted deeply"
     if budget > horizon:
         off_spine = [a for a in accepted if any(n != j for j, n in enumerate(a))]
         assert off_spine, "no accepted path left the spine: the state re-layout was not exercised"
 
 
-def test_shadow_linear_verifies_the_chain_and_measures_the_tree(hybrid):
+def test_shadow_linear_verifies_the_chain_and_measures_the_tree(hybrid, monkeypatch):
     """``ddtree_hybrid="shadow_linear"``: only the top-1 chain reaches the target (exact on any
     hybrid), while each step's tree is kept and its would-be acceptance measured against the
     realised output. With drafts whose second choice is right every few tokens, the trees
@@ -102,15 +99,19 @@ def test_shadow_linear_verifies_the_chain_and_measures_the_tree(hybrid):
     spec = {"method": "ddtree", "model": str(hybrid["drafter"]), "ddtree_budget": 16,
             "num_speculative_tokens": 6, "ddtree_hybrid": "shadow_linear"}
     llm = make_llm(hybrid["target"], speculative_config=spec, **ENGINE)
-    injector = ReferenceDraftInjector(hybrid["refs"], _sidesteps)
+    from vllm_ddtree.proposer import DDTreeProposer
+
     seen = []
+    build_trees = DDTreeProposer.build_trees
 
-    def capture(proposer, *args):
+    def capture(proposer, req_ids, log_probs):
         seen.append(proposer)
-        return injector(proposer, *args)
+        return build_trees(proposer, req_ids, log_probs)
 
+    monkeypatch.setattr(DDTreeProposer, "build_trees", capture)
     try:
-        with injected_drafts(capture), recorded_verification() as rec:
+        with injected_drafts(OracleDrafts(hybrid["refs"], _sidesteps)), \
+                recorded_verification() as rec:
             out = llm.generate(PROMPTS, _params(), use_tqdm=False)
     finally:
         release_llm(llm)
@@ -144,7 +145,7 @@ def test_hybrid_preemption_and_recompute(nemotron_h_pair):
             "num_speculative_tokens": 4}
     llm = make_llm(target, speculative_config=spec, **small)
     try:
-        with injected_drafts(ReferenceDraftInjector(refs, _sidesteps)):
+        with injected_drafts(OracleDrafts(refs, _sidesteps)):
             got = llm.generate(prompts, params, use_tqdm=False)
         preempted = [x.value for x in llm.get_metrics() if x.name == "vllm:num_preemptions"]
     finally:

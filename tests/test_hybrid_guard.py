@@ -76,12 +76,12 @@ def test_unknown_kind_stops_the_engine_and_shadow_linear_runs_it(tiny_models, tm
     pytest.importorskip("vllm")
     from vllm import SamplingParams
 
-    from vllm_ddtree.testing.hybrid_models import (
+    from tests.support.hybrid_models import (
         UNKNOWN_RECURRENT_ARCH,
         register_unknown_recurrent_model,
         with_architecture,
     )
-    from vllm_ddtree.testing.models import make_llm, release_llm
+    from tests.support.models import make_llm, release_llm
 
     register_unknown_recurrent_model()
     target = with_architecture(tiny_models.get("qwen3_next_target"), tmp_path / "unknown",

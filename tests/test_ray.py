@@ -1,25 +1,24 @@
 """DDTree under vLLM's Ray executor (TP=2) equals TP=1 target-only decoding.
 
-vLLM refuses Ray on the CPU platform, so the run uses the test-only shim in
-``vllm_ddtree/testing/ray_cpu`` (see its docstring). Slow (a Ray cluster plus two workers) and
+vLLM refuses Ray on the CPU platform, so the run uses the test-only shim
+:mod:`tests.support.ray_cpu` (see its docstring), installed with the oracle drafts in every Ray
+worker by ``tests/support/site/sitecustomize.py``. Slow (a Ray cluster plus two workers) and
 needs ``pip install -e ".[ray]"``: ``pytest -m slow tests/test_ray.py``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from vllm_ddtree.testing.injection import TEST_DRAFTS_ENV, reference_drafts
+from tests.support.oracle_drafts import reference_drafts, subprocess_env
+from tests.support.ray_cpu import RAY_CPU_ENV
 
 pytest.importorskip("ray")
 
-SHIM = Path(__file__).resolve().parents[1] / "vllm_ddtree" / "testing" / "ray_cpu"
 PROMPTS = ["def main():\n", "import os\nimport sys\n", "class Foo:\n    def __init__(self):",
            "x = 1"]
 
@@ -27,7 +26,7 @@ SCRIPT = r"""
 import json, os, sys
 if __name__ == "__main__":
     from vllm import SamplingParams
-    from vllm_ddtree.testing.models import make_llm, release_llm
+    from tests.support.models import make_llm, release_llm
     target, drafter, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     llm = make_llm(target, tensor_parallel_size=2, distributed_executor_backend="ray",
                    speculative_config={"method": "ddtree", "model": drafter, "ddtree_budget": 16})
@@ -47,11 +46,9 @@ def test_ray_tp2_ddtree_equals_target_only(qwen3_target, dflash_drafter, tmp_pat
     want, drafts = reference_drafts(qwen3_target, PROMPTS, 24, tmp_path / "drafts.json")
     script = tmp_path / "ray_tp2.py"
     script.write_text(SCRIPT)
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(SHIM), os.environ.get("PYTHONPATH", "")]),
-        VLLM_TEST_RAY_CPU="1", RAY_OVERRIDE_RESOURCES=json.dumps({"GPU": 2}),
+    env = subprocess_env(
+        drafts, **{RAY_CPU_ENV: "1"}, RAY_OVERRIDE_RESOURCES=json.dumps({"GPU": 2}),
         RAY_USAGE_STATS_ENABLED="0", VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_KVCACHE_SPACE="1",
-        **{TEST_DRAFTS_ENV: drafts},
     )
     proc = subprocess.run(
         [sys.executable, str(script), str(qwen3_target), str(dflash_drafter),
@@ -67,3 +64,5 @@ def test_ray_tp2_ddtree_equals_target_only(qwen3_target, dflash_drafter, tmp_pat
     assert m["vllm:spec_decode_num_accepted_tokens"] > m["vllm:spec_decode_num_drafts"], m
     ready = [line for line in out.splitlines() if "DDTree proposer ready in pid" in line]
     assert len({line.split("in pid ")[1].split(":")[0] for line in ready}) >= 2, ready
+    injected = [line for line in out.splitlines() if "tests.support: oracle drafts (V1)" in line]
+    assert len({line.split(" in pid ")[1] for line in injected}) >= 2, injected

@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 import torch
 
-from vllm_ddtree.testing.models import (
+from tests.support.models import (
     build_dflash_drafter,
     build_qwen3_target,
     build_small_vocab_tokenizer,
@@ -132,7 +132,7 @@ def test_the_target_distribution_is_spread(target_only):
 
 @pytest.mark.parametrize("i", range(len(CONFIGS)))
 def test_sampled_distribution_equals_target_only(ddtree_llm, target_only, i):
-    from vllm_ddtree.testing.injection import recorded_verification
+    from tests.support.recorder import recorded_verification
 
     with recorded_verification() as rec:
         ours = _draw(ddtree_llm, **CONFIGS[i])
@@ -204,7 +204,7 @@ def test_mixed_batch_logprobs_and_seeds(qwen3_target, dflash_drafter):
     same prefix, seeded sampled rows reproduce run to run."""
     from vllm import SamplingParams
 
-    from vllm_ddtree.testing.injection import ReferenceDraftInjector, injected_drafts
+    from tests.support.oracle_drafts import OracleDrafts, injected_drafts
 
     prompts = ["def main():\n", "import os\nimport sys\n", "class Foo:\n    def __init__(self):",
                "x = 1", "for i in range(3):\n"]
@@ -225,7 +225,7 @@ def test_mixed_batch_logprobs_and_seeds(qwen3_target, dflash_drafter):
     llm = make_llm(qwen3_target, speculative_config={
         "method": "ddtree", "model": str(dflash_drafter), "ddtree_budget": 40})
     try:
-        with injected_drafts(ReferenceDraftInjector(refs)):  # deep acceptance on greedy rows
+        with injected_drafts(OracleDrafts(refs)):  # deep acceptance on greedy rows
             a = llm.generate(prompts, mix, use_tqdm=False)
             b = llm.generate(prompts, mix, use_tqdm=False)
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ddtree.testing.models import make_llm, release_llm
+from tests.support.models import make_llm, release_llm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,14 +25,21 @@ def _env(**extra):
     return env
 
 
-def test_multiprocess_engine(qwen3_target, dflash_drafter):
+def test_multiprocess_engine(qwen3_target, dflash_drafter, tmp_path):
     """With VLLM_ENABLE_V1_MULTIPROCESSING=1 the engine core runs in a spawned process: the
-    plugin must load there, get its settings through additional_config, and stay exact."""
+    plugin must load there, get its settings through additional_config, and stay exact. Oracle
+    drafts are installed in that process by ``tests/support/site`` (the main job's own prompts
+    and settings), so trees are accepted deeply there too."""
+    from tests.support import trained
+    from tests.support.oracle_drafts import reference_drafts, subprocess_env
+
+    _, drafts = reference_drafts(qwen3_target, trained.heldout_prompts(8), 24,
+                                 tmp_path / "drafts.json")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "generate.py"), "--target", str(qwen3_target),
          "--drafter", str(dflash_drafter), "--budget", "40", "--max-tokens", "24"],
-        env=_env(VLLM_ENABLE_V1_MULTIPROCESSING="1"), capture_output=True, text=True,
-        timeout=600, cwd=ROOT,
+        env=subprocess_env(drafts, base=_env(VLLM_ENABLE_V1_MULTIPROCESSING="1")),
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -42,6 +50,12 @@ def test_multiprocess_engine(qwen3_target, dflash_drafter):
     pids = {int(line.split("in pid ")[1].split(":")[0]) for line in ready}
     front = int(out.split("front-end pid ")[1].split()[0])
     assert front not in pids, "the proposer ran in the front-end process, not a spawned one"
+    injected = {int(line.split(" in pid ")[1]) for line in out.splitlines()
+                if "tests.support: oracle drafts (V1)" in line}
+    assert injected and injected <= pids, (injected, pids)
+    steps, accepted = (int(x) for x in re.search(
+        r"DDTree B=40: verification steps (\d+), accepted draft tokens (\d+)", out).groups())
+    assert accepted > 2 * steps, f"oracle drafts not accepted deeply ({accepted} in {steps} steps)"
 
 
 def _free_port() -> int:

@@ -4,8 +4,10 @@
 Every rank builds the same tree from the all-gathered (global-vocabulary) drafter logits, walks
 it with the same target choices and compacts its own KV heads; hybrid targets also run the tree
 oracle on their local recurrent-state shards (Mamba2 / GDN heads, conv channels) and re-lay them
-out along the same accepted path. Drafts are injected in the spawned workers
-(``VLLM_DDTREE_TEST_DRAFTS``) so accepted paths are deep and leave the spine.
+out along the same accepted path. Drafts are injected in the spawned workers (the subprocess gets
+``tests/support/site`` on ``PYTHONPATH``, whose ``sitecustomize`` installs
+:mod:`tests.support.oracle_drafts` in every worker) so accepted paths are deep and leave the
+spine.
 
 Off-spine acceptance is proved by counting: the injected drafts rank the target's token second
 at every output index ``i`` with ``i % P == P // 2`` (``P`` = sidestep period) and first
@@ -17,13 +19,12 @@ second-ranked branches.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from vllm_ddtree.testing.injection import TEST_DRAFTS_ENV, reference_drafts
+from tests.support.oracle_drafts import reference_drafts, subprocess_env
 
 PROMPTS = ["def main():\n", "import os\nimport sys\n", "class Foo:\n    def __init__(self):",
            "x = 1"]
@@ -31,8 +32,8 @@ MAX_TOKENS = 40
 
 SCRIPT = r"""
 import json, os, sys
-from vllm_ddtree.testing.injection import TEST_DRAFTS_ENV, write_test_drafts
-from vllm_ddtree.testing.models import greedy_mismatches, make_llm, release_llm
+from tests.support.models import greedy_mismatches, make_llm, release_llm
+from tests.support.oracle_drafts import DRAFTS_ENV, write_drafts_file
 from vllm import SamplingParams
 if __name__ == "__main__":
     args = json.loads(sys.argv[1])
@@ -45,7 +46,7 @@ if __name__ == "__main__":
             use_tqdm=False)
         release_llm(llm)
         del llm
-        write_test_drafts(os.environ[TEST_DRAFTS_ENV],
+        write_drafts_file(os.environ[DRAFTS_ENV],
                           {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in ref},
                           sidestep_period=args["sidestep_period"])
         print("REFERENCE " + json.dumps([list(o.outputs[0].token_ids) for o in ref]))
@@ -69,7 +70,7 @@ def tp2_ddtree_vs_target_only(target, drafter, tmp_path, *, prompts, max_tokens,
     (``reference_tp=2``). Returns ``(target-only token ids, DDTree token ids, τ, combined
     output)``; fails if the TP=2 run fails or not every rank started a proposer, and with
     ``reference_tp=2`` if a token differs other than at a ``near_tie`` (see
-    :func:`~vllm_ddtree.testing.models.greedy_mismatches`).
+    :func:`~tests.support.models.greedy_mismatches`).
     """
     drafts = str(tmp_path / "drafts.json")
     if reference_tp == 1:
@@ -80,8 +81,8 @@ def tp2_ddtree_vs_target_only(target, drafter, tmp_path, *, prompts, max_tokens,
     args = dict(target=str(target), prompts=list(prompts), max_tokens=max_tokens,
                 reference_tp2=reference_tp == 2, sidestep_period=sidestep_period, near_tie=near_tie,
                 spec=dict(method="ddtree", model=str(drafter), **spec))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_OMP_THREADS_BIND="0|1",
-               VLLM_CPU_KVCACHE_SPACE="1", **{TEST_DRAFTS_ENV: drafts})
+    env = subprocess_env(drafts, VLLM_ENABLE_V1_MULTIPROCESSING="1",
+                         VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_KVCACHE_SPACE="1")
     proc = subprocess.run([sys.executable, str(script), json.dumps(args)], env=env,
                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
     out = proc.stdout + proc.stderr
@@ -92,6 +93,9 @@ def tp2_ddtree_vs_target_only(target, drafter, tmp_path, *, prompts, max_tokens,
     m = result["metrics"]
     tau = 1 + m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_drafts"]
     assert out.count("DDTree proposer ready in pid") >= 2, "expected one proposer per TP rank"
+    injected = {line.split(" in pid ")[1] for line in out.splitlines()
+                if "tests.support: oracle drafts (V1)" in line}
+    assert len(injected) >= 2, "the oracle drafts were not installed in every TP worker"
     assert not result["problems"], result["problems"]
     return want, result["ids"], tau, out
 

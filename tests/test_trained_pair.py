@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 from vllm import SamplingParams
 
-from vllm_ddtree.testing import trained
-from vllm_ddtree.testing.models import make_llm, release_llm
+from tests.support import trained
+from tests.support.models import make_llm, release_llm
 
 PROMPTS = trained.heldout_prompts(4)
 PARAMS = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)

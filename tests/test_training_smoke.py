@@ -105,15 +105,15 @@ def test_torch_drafter_matches_vllm_dflash(qwen3_target, tmp_path):
     from transformers import AutoTokenizer, Qwen3ForCausalLM
     from vllm import SamplingParams
 
-    from vllm_ddtree.testing.injection import injected_drafts
-    from vllm_ddtree.testing.models import build_dflash_drafter, make_llm, release_llm
+    from tests.support.models import build_dflash_drafter, make_llm, release_llm
+    from tests.support.oracle_drafts import injected_drafts
 
     td = _load("train_drafter")
     drafter = build_dflash_drafter(tmp_path / "drafter", qwen3_target, num_layers=2, target_layer_ids=[1, 3],
                                    block_size=8, seed=3)
     seen = []
 
-    def record(proposer, req_ids, next_token_ids, log_probs):
+    def record(bonus_tokens, bonus_positions, log_probs, req_ids):
         seen.append(log_probs.clone())
         return log_probs
 

@@ -22,7 +22,7 @@ import pytest
 from tests.support.sliding_drafter import MIXED_LAYER_TYPES, make_sliding_variant, sliding_dflash_drafter
 from tests.support.v2_run import V1_RUNNER, V2_RUNNER, V2_SITE, _runner_class, run_v2, subprocess_env
 from vllm_ddtree.config import DDTreeConfigError, check_drafter_on_v1_runner
-from vllm_ddtree.testing import trained
+from tests.support import trained
 
 WINDOW = 8
 CHUNK = 32  # max_num_batched_tokens of the chunked-prefill configs
@@ -156,7 +156,7 @@ def test_v2_target_only_equals_v1(v2, qwen3_target):
     """(a) Greedy target-only on V2 (subprocess) = on V1 (this process), tiny fp32 Qwen3."""
     from vllm import SamplingParams
 
-    from vllm_ddtree.testing.models import make_llm, release_llm
+    from tests.support.models import make_llm, release_llm
 
     llm = make_llm(qwen3_target, **ENGINE)
     try:
@@ -204,7 +204,7 @@ def test_check_drafter_on_v1_runner_message():
 def test_v1_ddtree_refuses_mixed_sliding_drafter_at_startup(qwen3_target, tiny_models):
     """(d) On V1 (this process), DDTree with the mixed drafter stops while the engine config is
     built, with the plugin's error (not pydantic's wrapper, not deep in the engine)."""
-    from vllm_ddtree.testing.models import make_llm
+    from tests.support.models import make_llm
 
     drafter = sliding_dflash_drafter(tiny_models, window=WINDOW)
     t0 = time.perf_counter()

@@ -182,3 +182,23 @@ def relayout_recurrent(ctx: Any, requests: Sequence[Any]) -> None:
             if rec.states is not None:
                 s, q = lay.seq_starts[n], lay.seq_lens[n]
                 relayout_recurrent_state(rec.states, lay.dst_slots[s : s + q].tolist(), path)
+
+
+def commit_tree_step(step: Any, hybrid_ctx: Any = None) -> None:
+    """Commit one verified step (either runner): KV compaction, drafter context (when the
+    runner left the tapped hidden states on the step: V1), recurrent state.
+
+    Args:
+        step: the step's :class:`~vllm_ddtree.step.TreeStep`, every request's ``accepted`` set
+            by verification.
+        hybrid_ctx: the step's :class:`~vllm_ddtree.hybrid.context.HybridTreeContext` (hybrid
+            targets) or ``None``.
+    """
+    if step.attn_batch.recorded_kv:  # CPU: K/V recorded during the forward
+        compact_kv(step.attn_batch, step.requests, step.slot_mappings)
+    elif step.cache_layers:  # CUDA: copied inside each layer's cache
+        compact_kv_in_cache(step.cache_layers, step.requests, step.slot_mappings)
+    if step.aux_hidden_states is not None:
+        gather_accepted_rows(step.aux_hidden_states, step.requests)
+    if hybrid_ctx is not None:
+        relayout_recurrent(hybrid_ctx, step.requests)

@@ -518,13 +518,8 @@ def _sample(original: Callable) -> Callable:
             return original(self, logits, spec_decode_metadata, *args, **kwargs)
         from vllm.v1.outputs import SamplerOutput
 
-        from vllm_ddtree.commit import (
-            compact_kv,
-            compact_kv_in_cache,
-            gather_accepted_rows,
-            relayout_recurrent,
-        )
-        from vllm_ddtree.verify import notify_observer, verify_tree_step
+        from vllm_ddtree.commit import commit_tree_step
+        from vllm_ddtree.verify import verify_tree_step
 
         # Steps without any draft (e.g. all requests prefilling) also sample here, so every
         # token of a DDTree engine goes through the same processing (min-p included).
@@ -540,16 +535,8 @@ def _sample(original: Callable) -> Callable:
         )
         if step is None:
             return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
-        if step.attn_batch.recorded_kv:
-            compact_kv(step.attn_batch, step.requests, step.slot_mappings)
-        elif step.cache_layers:
-            compact_kv_in_cache(step.cache_layers, step.requests, step.slot_mappings)
-        if step.aux_hidden_states is not None:
-            gather_accepted_rows(step.aux_hidden_states, step.requests)
         hybrid_ctx, self._ddtree_hybrid_ctx = getattr(self, "_ddtree_hybrid_ctx", None), None
-        if hybrid_ctx is not None:
-            relayout_recurrent(hybrid_ctx, step.requests)
-        notify_observer(step, logits, spec_decode_metadata.num_draft_tokens)
+        commit_tree_step(step, hybrid_ctx)
         committed = self.optimistic_seq_lens_cpu[: self.input_batch.num_reqs].clone()
         for r in step.requests:
             committed[r.batch_index] = r.context_len + len(r.accepted)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -24,18 +24,6 @@ from vllm_ddtree.config import DDTreeConfig, count_prefixes, get_ddtree_config
 from vllm_ddtree.tree import DraftTree, accepted_along, build_draft_trees, chain_tree
 
 logger = logging.getLogger("vllm.ddtree")
-
-#: Test-only hook (see :mod:`vllm_ddtree.testing.injection`): called as
-#: ``hook(proposer, req_ids, next_token_ids, log_probs) -> log_probs`` with ``log_probs``
-#: ``[R, L, V]`` float32; it may replace the drafter's distributions. In-process engines only.
-_DRAFT_INJECTOR: Callable[..., torch.Tensor] | None = None
-
-
-def set_draft_injector(fn: Callable[..., torch.Tensor] | None) -> None:
-    """Install (or clear with ``None``) the test-only draft-distribution hook."""
-    global _DRAFT_INJECTOR
-    _DRAFT_INJECTOR = fn
-
 
 class ShadowAcceptance:
     """``ddtree_hybrid="shadow_linear"``: what the unverified trees would have accepted.
@@ -122,8 +110,8 @@ class DDTreeProposer(DFlashProposer):
     Attributes:
         ddtree: the validated :class:`~vllm_ddtree.config.DDTreeConfig`.
         trees: ``req_id -> DraftTree`` proposed in the last step and not yet verified.
-        last_log_probs: ``[R, L, V]`` float32 drafter log-probs of the last pass (for metrics
-            and tests).
+        last_log_probs: ``[R, L, V]`` float32 drafter log-probs the last trees were built from
+            (:meth:`build_trees`).
 
     Raises:
         ValueError: the node budget cannot fit in one scheduled batch
@@ -159,12 +147,6 @@ class DDTreeProposer(DFlashProposer):
                 f"{ddtree.budget + 1} slots per step (max_num_batched_tokens={max_tokens}) and "
                 f"{ddtree.budget} distinct draft prefixes ({fillable} exist)"
             )
-        test_drafts = os.environ.get("VLLM_DDTREE_TEST_DRAFTS")
-        if test_drafts:  # test-only: drafts injected in spawned workers too
-            from vllm_ddtree.testing.injection import injector_from_file
-
-            set_draft_injector(injector_from_file(test_drafts))
-            logger.warning("DDTree: TEST-ONLY draft injection from %s", test_drafts)
         logger.info(
             "DDTree proposer ready in pid %d: node budget B=%d, drafter horizon L=%d",
             os.getpid(), ddtree.budget, ddtree.drafter_horizon,
@@ -204,7 +186,6 @@ class DDTreeProposer(DFlashProposer):
             ``[R, B]`` int64 node tokens of each request's draft tree, in node (pop) order.
         """
         L = self.ddtree.drafter_horizon
-        next_token_ids = kwargs.get("next_token_ids")
         super().propose(L, *args, **kwargs)
         # vLLM's other code paths (dummy runs) read the slot count.
         self.num_speculative_tokens = self.ddtree.num_verify_slots
@@ -214,12 +195,10 @@ class DDTreeProposer(DFlashProposer):
         num_reqs = logits.shape[0] // L
         log_probs = torch.log_softmax(logits.float().view(num_reqs, L, -1), dim=-1)
         req_ids = list(self._ddtree_runner.input_batch.req_ids[:num_reqs])
-        if _DRAFT_INJECTOR is not None:
-            log_probs = _DRAFT_INJECTOR(self, req_ids, next_token_ids, log_probs)
-        self.last_log_probs = log_probs
-        trees = build_draft_trees(log_probs, self.ddtree.budget, self.ddtree.max_children)
+        trees = self.build_trees(req_ids, log_probs)
         if self.shadow is not None:
-            return self._propose_shadow(req_ids, log_probs, trees).to(logits.device)
+            # The chain comes from the distributions the trees were built from.
+            return self._propose_shadow(req_ids, self.last_log_probs, trees).to(logits.device)
         B = self.ddtree.budget
         out = torch.zeros(num_reqs, B, dtype=torch.int64)
         for i, (req_id, tree) in enumerate(zip(req_ids, trees)):
@@ -231,6 +210,20 @@ class DDTreeProposer(DFlashProposer):
             out[i] = tree.token_ids
             self.trees[req_id] = tree
         return out.to(logits.device)
+
+    def build_trees(self, req_ids: list[str], log_probs: torch.Tensor) -> list[DraftTree]:
+        """Best-first draft trees (paper Alg. 1), one per request.
+
+        Args:
+            req_ids: the requests of the drafter batch, in row order.
+            log_probs: ``[R, L, V]`` float32 drafter log-probs, row ``i`` for ``req_ids[i]``.
+
+        Returns:
+            one :class:`~vllm_ddtree.tree.DraftTree` per request (B nodes each); ``log_probs``
+            is kept as :attr:`last_log_probs`.
+        """
+        self.last_log_probs = log_probs
+        return build_draft_trees(log_probs, self.ddtree.budget, self.ddtree.max_children)
 
     def _propose_shadow(self, req_ids: list[str], log_probs: torch.Tensor,
                         trees: list[DraftTree]) -> torch.Tensor:

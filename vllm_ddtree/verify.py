@@ -16,7 +16,7 @@ per request, accepted draft tokens + 1 = emitted tokens, and accepted token ``j`
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -33,23 +33,6 @@ except ImportError:  # pragma: no cover - vLLM is always present at run time
 
 class DDTreeRequestError(_ClientError, ValueError):  # type: ignore[misc,valid-type]
     """A request option DDTree cannot honour exactly (a ``ValueError``; HTTP 400 in the server)."""
-
-
-#: Test-only observer (``vllm_ddtree.testing.injection``): called after every verified step as
-#: ``observer(step, logits, num_draft_tokens)``. In-process engines only.
-_VERIFY_OBSERVER: Callable[..., None] | None = None
-
-
-def set_verify_observer(fn: Callable[..., None] | None) -> None:
-    """Install (or clear with ``None``) the test-only verification observer."""
-    global _VERIFY_OBSERVER
-    _VERIFY_OBSERVER = fn
-
-
-def notify_observer(step: Any, logits: torch.Tensor, num_draft_tokens: Sequence[int]) -> None:
-    """Hand a verified step to the test-only observer, if any."""
-    if _VERIFY_OBSERVER is not None:
-        _VERIFY_OBSERVER(step, logits, num_draft_tokens)
 
 
 def _node_min_p(min_p: Sequence[float], reps: torch.Tensor) -> Any:

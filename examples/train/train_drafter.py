@@ -28,7 +28,7 @@ of prompts from the held-out modules — the quantity vLLM's ``dflash`` method r
 continues from it twice (``--init``: start from a checkpoint's weights; a new ``--seed`` draws fresh
 distillation prompts): the commands are in the top-level README ("Trained tiny pair").
 
-The checkpoint is written by ``vllm_ddtree.testing.models.build_dflash_drafter`` (config, tokenizer,
+The checkpoint is written by ``tests.support.models.build_dflash_drafter`` (config, tokenizer,
 weight names and shapes) and its weights then replaced by the trained ones.
 """
 
@@ -47,9 +47,12 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The tiny-model builders are test support (tests/support in the source checkout), not part of
+# the installed package.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import corpus  # noqa: E402
 
-from vllm_ddtree.testing.models import EOS_TOKEN_ID, MASK_TOKEN_ID, build_dflash_drafter  # noqa: E402
+from tests.support.models import EOS_TOKEN_ID, MASK_TOKEN_ID, build_dflash_drafter  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -13,7 +13,7 @@ alone on 2 cores; it was cut short because the machine was shared):
 
     python examples/train/train_target.py --out models/pystdlib-qwen3 --steps 1000 --stop-at 547
 
-Special tokens are those of the test fixtures (``vllm_ddtree.testing.models``): ``<|endoftext|>`` 0
+Special tokens are those of the test fixtures (``tests.support.models``): ``<|endoftext|>`` 0
 (bos/eos), ``<|pad|>`` 1, ``<|mask|>`` 2 (the DFlash mask token; never appears in training text).
 """
 
@@ -30,9 +30,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The tiny-model builders are test support (tests/support in the source checkout), not part of
+# the installed package.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import corpus  # noqa: E402
 
-from vllm_ddtree.testing.models import (  # noqa: E402
+from tests.support.models import (  # noqa: E402
     BOS_TOKEN, EOS_TOKEN, EOS_TOKEN_ID, MASK_TOKEN, PAD_TOKEN, PAD_TOKEN_ID, SPECIAL_TOKENS,
 )
 

@@ -11,7 +11,7 @@ Runner V1 does not support: mixed sliding/full dflash drafts").
 * :func:`build_sliding_dflash_drafter`: random weights, 2 layers, for the tiny ``qwen3_target``
   (acceptance about zero: only rejections are exercised).
 * :func:`make_sliding_variant`: the same attention layout put onto an existing drafter, e.g. the
-  shipped trained one (``vllm_ddtree.testing.trained``), so drafts are accepted; its weights were
+  shipped trained one (``tests.support.trained``), so drafts are accepted; its weights were
   trained with full attention, which lowers but does not remove acceptance.
 """
 
@@ -22,7 +22,7 @@ import os
 import shutil
 from pathlib import Path
 
-from vllm_ddtree.testing.models import TinyModelZoo, build_dflash_drafter, cached_build
+from tests.support.models import TinyModelZoo, build_dflash_drafter, cached_build
 
 #: Layer types of the mixed drafters: layer 0 sliding, layer 1 full.
 MIXED_LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -56,7 +56,7 @@ def build_sliding_dflash_drafter(
 ) -> Path:
     """Write a random-weight DFlash drafter with one layer per ``layer_types`` entry; return its path.
 
-    Built by :func:`vllm_ddtree.testing.models.build_dflash_drafter` (``num_layers =
+    Built by :func:`tests.support.models.build_dflash_drafter` (``num_layers =
     len(layer_types)``; for the 4-layer tiny target, target layers [0, 2]), then ``config.json``
     gets ``layer_types`` and ``dflash_config.swa_window_size = window`` (context positions a
     sliding layer attends to).

@@ -14,7 +14,7 @@ Spec (all keys but ``configs`` optional)::
         "prompts": ["text", [1, 2, 3]],   # strings or token-id lists
         "sampling": {"temperature": 0, "max_tokens": 16, "logprobs": 2, "seed": 1, ...},
         # every other key is a vllm.LLM keyword argument, on top of
-        # vllm_ddtree.testing.models.llm_kwargs defaults, e.g.
+        # tests.support.models.llm_kwargs defaults, e.g.
         "speculative_config": {"method": "dflash", "model": "...", "num_speculative_tokens": 4},
         "dtype": "float32", "max_model_len": 512, "max_num_seqs": 4,
         "max_num_batched_tokens": 32, "enable_chunked_prefill": true,
@@ -192,31 +192,29 @@ def _test_hooks(cfg: dict[str, Any], done: list[dict[str, Any]]) -> list:
     undo = []
     oracle = cfg.get("oracle")
     if oracle:
-        from tests.support.oracle_drafts import install_v2_from_file, write_oracle_file
+        from tests.support.oracle_drafts import (
+            DRAFTS_ENV,
+            drafts_from_file,
+            install_v2,
+            write_drafts_file,
+        )
 
         src = next(r for r in done if r["name"] == oracle["from"])
         refs = {tuple(p): o for p, o in zip(src["prompt_token_ids"], src["token_ids"])}
-        path = write_oracle_file(tempfile.mktemp(suffix=".json"), refs,
-                                 int(oracle.get("sidestep", 0)))
-        undo.append(install_v2_from_file(path))
-        os.environ["DDTREE_TEST_ORACLE_FILE"] = path  # spawned workers: v2_site installs it
-        undo.append(lambda: os.environ.pop("DDTREE_TEST_ORACLE_FILE", None))
+        path = write_drafts_file(tempfile.mktemp(suffix=".json"), refs,
+                                 sidestep_period=int(oracle.get("sidestep", 0)))
+        undo.append(install_v2(drafts_from_file(path)))
+        os.environ[DRAFTS_ENV] = path  # spawned workers: v2_site installs it at start-up
+        undo.append(lambda: os.environ.pop(DRAFTS_ENV, None))
     for what in cfg.get("disable", ()):
         import vllm_ddtree.commit as commit
-        import vllm_ddtree.runners.v2 as v2
 
-        owner, attr = {"kv_compaction": (v2, "commit_v2_step"),
-                       "recurrent_relayout": (commit, "relayout_recurrent")}[what]
-        original = getattr(owner, attr)
-        if what == "kv_compaction":  # keep the recurrent re-layout, skip only the KV moves
-            def skip(step, hybrid_ctx=None, _orig=original):
-                if hybrid_ctx is not None:
-                    commit.relayout_recurrent(hybrid_ctx, step.requests)
-            setattr(owner, attr, skip)
-        else:
-            setattr(owner, attr, lambda *a, **k: None)
-        undo.append(lambda owner=owner, attr=attr, original=original:
-                    setattr(owner, attr, original))
+        names = {"kv_compaction": ("compact_kv", "compact_kv_in_cache"),
+                 "recurrent_relayout": ("relayout_recurrent",)}[what]
+        for attr in names:
+            original = getattr(commit, attr)
+            setattr(commit, attr, lambda *a, **k: 0)
+            undo.append(lambda attr=attr, original=original: setattr(commit, attr, original))
     if cfg.get("triton_tree_backend"):
         from tests.support.triton_cpu import triton_backend_on_cpu
 
@@ -231,7 +229,7 @@ def _run_config(i: int, cfg: dict[str, Any], expected_runner: str,
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_ddtree.testing.models import llm_kwargs, release_llm
+    from tests.support.models import llm_kwargs, release_llm
 
     res: dict[str, Any] = {"name": cfg.get("name", f"config{i}"), **_EMPTY, "error": None}
     llm = None
@@ -300,7 +298,7 @@ def main(argv: list[str]) -> int:
         from tests.support.v2_cpu import install
 
         install()
-    from vllm_ddtree.testing.models import apply_cpu_test_env
+    from tests.support.models import apply_cpu_test_env
 
     apply_cpu_test_env()
     expected = V2_RUNNER if v2 else V1_RUNNER

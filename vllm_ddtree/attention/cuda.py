@@ -95,7 +95,7 @@ def engine_uses_tree_mask_buffers() -> bool:
     """Whether this process's tree-attention backend is :class:`DDTreeTritonAttentionBackend`
     (or a subclass): the backend that :mod:`vllm_ddtree.attention.selection` picks for the
     platform, resolved through vLLM's registry (``TRITON_ATTN`` on CUDA; on CPU only when a test
-    registers the Triton backend for ``CPU_ATTN``, :mod:`vllm_ddtree.testing.triton_cpu`)."""
+    registers the Triton backend for ``CPU_ATTN``, :mod:`tests.support.triton_cpu`)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from vllm_ddtree.attention.selection import TREE_ATTENTION_BACKENDS, current_platform_name

@@ -433,26 +433,15 @@ class DDTreeVerifier:
                 logits_mode=sampler.logprobs_mode in ("raw_logits", "processed_logits"))
         sampled = sampled.to(device)
         if step is not None:
-            commit_v2_step(step, hybrid_ctx)
+            from vllm_ddtree.commit import commit_tree_step
+
+            # KV compaction and the recurrent re-layout; the drafter context is gathered by
+            # DDTreeSpeculator.propose, where V2 hands over the hidden states.
+            commit_tree_step(step, hybrid_ctx)
             if spec is not None:
                 spec.last_step = step
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs,
                              num_nans=num_nans, num_sampled=num_sampled, num_rejected=num_rejected)
-
-
-def commit_v2_step(step: TreeStep, hybrid_ctx: Any = None) -> None:
-    """Commit the verified step (:mod:`vllm_ddtree.commit`): KV compaction (from the K/V the CPU
-    tree backend recorded, or inside each cache on CUDA) and, for hybrid targets, the accepted
-    paths' recurrent and conv state where V2's chain bookkeeping reads it."""
-    from vllm_ddtree.commit import compact_kv, compact_kv_in_cache, relayout_recurrent
-
-    if hybrid_ctx is not None:
-        relayout_recurrent(hybrid_ctx, step.requests)
-
-    if step.attn_batch.recorded_kv:
-        compact_kv(step.attn_batch, step.requests, step.slot_mappings)
-    elif step.cache_layers:
-        compact_kv_in_cache(step.cache_layers, step.requests, step.slot_mappings)
 
 
 _CLASSES: dict[type, type] = {}

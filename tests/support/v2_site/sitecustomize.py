@@ -17,11 +17,7 @@ from tests.support.v2_cpu import install  # noqa: E402
 
 install()
 
-import os  # noqa: E402
+from tests.support.oracle_drafts import install_from_env  # noqa: E402
 
-# Test-only draft oracle in spawned workers too (tests.support.v2_run sets the variable while a
-# config with ``"oracle"`` runs).
-if os.environ.get("DDTREE_TEST_ORACLE_FILE"):
-    from tests.support.oracle_drafts import install_v2_from_file  # noqa: E402
-
-    install_v2_from_file(os.environ["DDTREE_TEST_ORACLE_FILE"])
+# Test-only oracle drafts in every process of the tree, as tests/support/site does.
+install_from_env()

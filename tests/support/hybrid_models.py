@@ -1,10 +1,10 @@
-"""Tiny random-weight Mamba2 hybrid fixtures beyond :mod:`vllm_ddtree.testing.models`.
+"""Tiny random-weight Mamba2 hybrid fixtures beyond :mod:`tests.support.models`.
 
 * :func:`build_nemotron_h_target`: ``NemotronHForCausalLM`` (Mamba2 + attention + MLP layers, fp32;
   vLLM ``model_executor/models/nemotron_h.py``). Unlike GraniteMoeHybrid on vLLM 0.32, Nemotron-H
   implements the EAGLE3 aux-hidden-state interface, so vLLM's own ``"dflash"`` method runs on it.
 * :func:`nemotron_h_models`: the target and a DFlash drafter for it, built once into a cache
-  directory (same cache layout and shared tokenizer as :class:`~vllm_ddtree.testing.models.TinyModelZoo`).
+  directory (same cache layout and shared tokenizer as :class:`~tests.support.models.TinyModelZoo`).
 * :func:`register_unknown_recurrent_model` / :func:`with_architecture`: a test-only Qwen3-Next
   whose recurrent layers are of a kind the hybrid guard does not know.
 
@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vllm_ddtree.testing.models import (
+from tests.support.models import (
     TinyModelZoo,
     _install_tokenizer,
     _refill_lm_head,
@@ -69,7 +69,7 @@ def build_nemotron_h_target(
     ``"M-M*M-"``, has 3 Mamba2, 1 attention and 2 MLP layers (~1.0 M parameters with the 2048-token
     vocab). ``config.json`` carries both ``layers_block_type`` (transformers 5) and
     ``hybrid_override_pattern`` / ``num_hidden_layers`` (read by older loaders and by
-    :func:`~vllm_ddtree.testing.models.build_dflash_drafter`). Saved in ``dtype`` (fp32 by default:
+    :func:`~tests.support.models.build_dflash_drafter`). Saved in ``dtype`` (fp32 by default:
     the CPU Mamba2 path runs in fp32). Loaded by vLLM ``model_executor/models/nemotron_h.py``.
 
     Initialisation: transformers' ``_init_weights`` seeded with ``torch.manual_seed(seed)`` (Mamba
@@ -138,9 +138,9 @@ def nemotron_h_models(
 
     The target is :func:`build_nemotron_h_target` with the zoo's shared tokenizer
     (``TinyModelZoo(cache_root).tokenizer``) and ``target_kwargs``; the drafter is
-    :func:`~vllm_ddtree.testing.models.build_dflash_drafter` (block_size 16, 1 layer, target layers
+    :func:`~tests.support.models.build_dflash_drafter` (block_size 16, 1 layer, target layers
     ``default_target_layer_ids(n_layers)``, e.g. ``[0, 4]`` for the 6-layer default) plus
-    ``drafter_kwargs``. Both go through :func:`~vllm_ddtree.testing.models.cached_build` (directory
+    ``drafter_kwargs``. Both go through :func:`~tests.support.models.cached_build` (directory
     ``nemotron_h_target-<hash>`` / ``nemotron_h_dflash_drafter-<hash>``, rebuilt when arguments or
     ``FORMAT_VERSION`` change).
     """
@@ -169,8 +169,11 @@ def register_unknown_recurrent_model() -> None:
     """
     from vllm import ModelRegistry
 
-    ModelRegistry.register_model(
-        UNKNOWN_RECURRENT_ARCH, "vllm_ddtree.testing.unknown_recurrent:UnknownRecurrentForCausalLM")
+    from tests.support.unknown_recurrent import UnknownRecurrentForCausalLM
+
+    # The class itself, not a "module:Class" string: vLLM inspects a lazy entry in a fresh
+    # subprocess, where tests.support imports only if the working directory is the repo root.
+    ModelRegistry.register_model(UNKNOWN_RECURRENT_ARCH, UnknownRecurrentForCausalLM)
 
 
 def with_architecture(model_dir: str | os.PathLike, out_dir: str | os.PathLike, arch: str) -> Path:

@@ -1,6 +1,6 @@
 """TEST-ONLY: a Qwen3-Next whose recurrent layers are of a class the hybrid guard does not know.
 
-Registered by :func:`vllm_ddtree.testing.hybrid_models.register_unknown_recurrent_model`; the
+Registered by :func:`tests.support.hybrid_models.register_unknown_recurrent_model`; the
 layers keep GatedDeltaNet's math, only their type is new, which is what the guard keys on.
 """
 
