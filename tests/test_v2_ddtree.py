@@ -166,3 +166,35 @@ def test_v2_preemption_and_tensor_parallel(qwen3_target, dflash_drafter):
     assert tp["error"] is None and len(tp["runners"]) == 2, tp
     assert tp["token_ids"] == _ok(out["ref"])["token_ids"]
     assert tp["spec"]["num_accepted_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_v2_sampling_distribution_chi_square(tmp_path):
+    """T > 0 on V2 without seeds (independent draws in the two engines): the distribution of
+    DDTree's tokens 1-3 equals target-only's (two-sample chi-square, as tests/test_sampling.py on
+    V1), on the 32-token model where several continuations are likely."""
+    from tests.support.models import build_dflash_drafter, build_qwen3_target, build_small_vocab_tokenizer
+    from tests.test_sampling import ALPHA, PROMPT, V, _statistics, chi2_two_sample
+
+    tok = build_small_vocab_tokenizer(tmp_path / "tok", vocab_size=V)
+    target = build_qwen3_target(tmp_path / "target", vocab_size=V, num_layers=2, tokenizer_dir=tok,
+                                lm_head_std=0.15, seed=3)
+    drafter = build_dflash_drafter(tmp_path / "drafter", target, target_layer_ids=[0])
+    n = 1000
+    engine = {"max_model_len": 128, "max_num_seqs": 256, "max_num_batched_tokens": 8192}
+    sampling = {"temperature": 1.0, "max_tokens": 4, "ignore_eos": True}
+    configs = [
+        {"name": "ref", "target": str(target), "prompts": [PROMPT] * n, "sampling": sampling,
+         **engine},
+        {"name": "ddtree", "target": str(target), "prompts": [PROMPT] * n, "sampling": sampling,
+         "speculative_config": {"method": "ddtree", "model": str(drafter), "ddtree_budget": 16,
+                                "num_speculative_tokens": 3}, **engine},
+    ]
+    out = {c["name"]: c for c in run_v2({"configs": configs}, timeout=2400)["configs"]}
+    ref, got = _ok(out["ref"]), _ok(out["ddtree"])
+    assert got["spec"]["num_accepted_tokens"] > 0, got["spec"]
+    a = [tuple(t) for t in ref["token_ids"]]
+    b = [tuple(t) for t in got["token_ids"]]
+    assert len(set(a)) > 20  # several continuations are likely: the test can see a bias
+    for stat, (xa, xb) in {k: (v, _statistics(b)[k]) for k, v in _statistics(a).items()}.items():
+        assert chi2_two_sample(xa, xb) > ALPHA, stat
