@@ -54,6 +54,7 @@ from vllm_ddtree.config import (
     get_ddtree_config,
     translate_speculative_config,
 )
+from vllm_ddtree.runners.v1 import engine_state  # the V1 hooks' state: ``runner._ddtree``
 # Re-exported: the version fence lives with the register.
 from vllm_ddtree.integration import (  # noqa: F401
     UnsupportedVLLMVersion,
@@ -349,12 +350,12 @@ _RUNNER = "vllm.v1.worker.gpu_model_runner"
 @patch(_RUNNER, "GPUModelRunner.__init__")
 def _runner_init(original: Callable) -> Callable:
     def __init__(self, vllm_config, device, *args, **kwargs):
-        self._ddtree = get_ddtree_config(vllm_config)
-        self._ddtree_step = None
-        self._ddtree_hybrid = self._ddtree is not None and bool(
-            getattr(vllm_config.model_config, "is_hybrid", False))
-        self._ddtree_hybrid_ctx = None
-        if self._ddtree is None:
+        from vllm_ddtree.runners.v1 import V1EngineState
+
+        ddtree = get_ddtree_config(vllm_config)
+        self._ddtree = None if ddtree is None else V1EngineState(
+            ddtree, hybrid=bool(getattr(vllm_config.model_config, "is_hybrid", False)))
+        if ddtree is None:
             return original(self, vllm_config, device, *args, **kwargs)
         from vllm_ddtree.proposer import DDTreeProposer
 
@@ -363,7 +364,6 @@ def _runner_init(original: Callable) -> Callable:
             original(self, vllm_config, device, *args, **kwargs)
         if not isinstance(getattr(self, "drafter", None), DDTreeProposer):
             raise RuntimeError("DDTree: vLLM did not build the DFlash drafter for this engine")
-        self._ddtree_cache_layers = None
         from vllm_ddtree.attention.cuda import (
             allocate_engine_tree_masks,
             check_cudagraph_mode,
@@ -373,12 +373,12 @@ def _runner_init(original: Callable) -> Callable:
 
         # The Triton tree backend (CUDA) reads static mask buffers, allocated before any
         # CUDA-graph capture.
-        self._ddtree_tree_masks = engine_uses_tree_mask_buffers()
-        if self._ddtree_tree_masks:
+        self._ddtree.tree_masks = engine_uses_tree_mask_buffers()
+        if self._ddtree.tree_masks:
             check_cudagraph_mode(vllm_config.compilation_config.cudagraph_mode)
             sched = vllm_config.scheduler_config
             install_tree_mask_buffers(allocate_engine_tree_masks(
-                sched.max_num_seqs, self._ddtree.budget, device,
+                sched.max_num_seqs, ddtree.budget, device,
                 max_tree_tokens=sched.max_num_batched_tokens))
 
     return __init__
@@ -387,17 +387,17 @@ def _runner_init(original: Callable) -> Callable:
 @patch(_RUNNER, "GPUModelRunner._input_fits_in_drafter")
 def _input_fits_in_drafter(original: Callable) -> Callable:
     def _input_fits_in_drafter(self, common_attn_metadata):
-        ddtree = getattr(self, "_ddtree", None)
-        if ddtree is None or common_attn_metadata is None:
+        state = engine_state(self)
+        if state is None or common_attn_metadata is None:
             return original(self, common_attn_metadata)
         # vLLM sizes this by num_speculative_tokens = max(B, L) on top of the optimistic length
         # (all B drafts accepted); the next DFlash block [bonus, MASK x L] only has to fit past
         # what this step actually committed.
-        committed = getattr(self, "_ddtree_committed_max", None)
-        self._ddtree_committed_max = None
+        committed, state.committed_max = state.committed_max, None
         if committed is None:
             committed = common_attn_metadata.max_seq_len
-        return committed + ddtree.drafter_horizon + 1 <= self.effective_drafter_max_model_len
+        return (committed + state.config.drafter_horizon + 1
+                <= self.effective_drafter_max_model_len)
 
     return _input_fits_in_drafter
 
@@ -406,15 +406,16 @@ def _input_fits_in_drafter(original: Callable) -> Callable:
 def _prepare_inputs(original: Callable) -> Callable:
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
         result = original(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
-        if getattr(self, "_ddtree", None) is None:
+        state = engine_state(self)
+        if state is None:
             return result
         from vllm_ddtree.step import plan_tree_step
 
-        self._ddtree_hybrid_done = False  # this step's target forward is still to come
+        state.hybrid_done = False  # this step's target forward is still to come
         num_reqs = self.input_batch.num_reqs
         req_ids = self.input_batch.req_ids[:num_reqs]
         trees = self.drafter.trees
-        self._ddtree_step = plan_tree_step(
+        state.step = plan_tree_step(
             req_ids,
             scheduler_output.scheduled_spec_decode_tokens,
             scheduler_output.num_scheduled_tokens,
@@ -434,11 +435,13 @@ def _prepare_inputs(original: Callable) -> Callable:
 @patch(_RUNNER, "GPUModelRunner._model_forward")
 def _model_forward(original: Callable) -> Callable:
     def _model_forward(self, *args, **kwargs):
-        step = getattr(self, "_ddtree_step", None)
+        state = engine_state(self)
+        if state is None:
+            return original(self, *args, **kwargs)
+        step = state.step
         if step is not None and getattr(step, "forwarded", False):
             step = None  # a second forward of the step is the drafter's, not the target's
-        hybrid = getattr(self, "_ddtree_hybrid", False) and not getattr(
-            self, "_ddtree_hybrid_done", False)
+        hybrid = state.hybrid and not state.hybrid_done
         if step is None and not hybrid:
             return original(self, *args, **kwargs)
         from vllm.forward_context import get_forward_context
@@ -450,8 +453,8 @@ def _model_forward(original: Callable) -> Callable:
         if hybrid:  # every target forward: vLLM's speculative recurrent path is replaced
             parents = {r.batch_index: r.tree.parents for r in (step.requests if step else [])
                        if r.is_tree}
-            ctx = self._ddtree_hybrid_ctx = HybridTreeContext(parents)
-            self._ddtree_hybrid_done = True
+            ctx = state.hybrid_ctx = HybridTreeContext(parents)
+            state.hybrid_done = True
         if step is None:
             with hybrid_tree_active(ctx):
                 return original(self, *args, **kwargs)
@@ -460,7 +463,7 @@ def _model_forward(original: Callable) -> Callable:
         if moved:  # in place: the model (and a captured graph) reads this buffer
             self.positions[rows] = step.tree_positions
         step.slot_mappings = get_forward_context().slot_mapping
-        tree_masks = getattr(self, "_ddtree_tree_masks", False)
+        tree_masks = state.tree_masks
         try:
             if tree_masks:  # in place, before the forward: a captured graph reads these buffers
                 from vllm_ddtree.attention.cuda import clear_tree_masks, publish_tree_masks
@@ -488,7 +491,8 @@ def _model_forward(original: Callable) -> Callable:
 def _target_cache_layers(self) -> dict:
     """``name -> (impl, kv_cache)`` of the target's tree-attention layers that own a KV cache
     (CUDA KV compaction); the drafter's layers and KV-sharing layers are left out."""
-    if self._ddtree_cache_layers is None:
+    state = engine_state(self)
+    if state.cache_layers is None:
         from vllm.forward_context import get_forward_context
 
         from vllm_ddtree.attention.cuda import DDTreeTritonAttentionImpl
@@ -505,17 +509,19 @@ def _target_cache_layers(self) -> dict:
                 continue
             seen.add(kv_cache.data_ptr())
             layers[name] = (impl, kv_cache)
-        self._ddtree_cache_layers = layers
-    return self._ddtree_cache_layers
+        state.cache_layers = layers
+    return state.cache_layers
 
 
 @patch(_RUNNER, "GPUModelRunner._sample")
 def _sample(original: Callable) -> Callable:
     def _sample(self, logits, spec_decode_metadata, *args, **kwargs):
-        step = getattr(self, "_ddtree_step", None)
-        self._ddtree_step = None
-        if getattr(self, "_ddtree", None) is None or spec_decode_metadata is None:
+        state = engine_state(self)
+        if state is None or spec_decode_metadata is None:
+            if state is not None:
+                state.step = None
             return original(self, logits, spec_decode_metadata, *args, **kwargs)
+        step, state.step = state.step, None
         from vllm.v1.outputs import SamplerOutput
 
         from vllm_ddtree.commit import commit_tree_step
@@ -535,12 +541,12 @@ def _sample(original: Callable) -> Callable:
         )
         if step is None:
             return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
-        hybrid_ctx, self._ddtree_hybrid_ctx = getattr(self, "_ddtree_hybrid_ctx", None), None
+        hybrid_ctx, state.hybrid_ctx = state.hybrid_ctx, None
         commit_tree_step(step, hybrid_ctx)
         committed = self.optimistic_seq_lens_cpu[: self.input_batch.num_reqs].clone()
         for r in step.requests:
             committed[r.batch_index] = r.context_len + len(r.accepted)
-        self._ddtree_committed_max = int(committed.max())
+        state.committed_max = int(committed.max())
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
 
     return _sample

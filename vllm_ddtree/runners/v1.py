@@ -1,0 +1,46 @@
+"""State of the V1-runner adapter: one object per DDTree engine, on vLLM's V1 model runner.
+
+The V1 hooks (:mod:`vllm_ddtree.patches`, ``GPUModelRunner`` in
+``vllm/v1/worker/gpu_model_runner.py``) keep everything they carry between calls of one engine
+step here, as ``runner._ddtree``; a runner of an engine without DDTree has ``None`` there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_ddtree.config import DDTreeConfig
+from vllm_ddtree.step import TreeStep
+
+
+@dataclass
+class V1EngineState:
+    """What the V1 hooks keep for one DDTree engine.
+
+    Attributes:
+        config: the engine's DDTree settings.
+        hybrid: the target has recurrent layers (their speculative rows run the tree oracle).
+        tree_masks: the CUDA tree backend's static mask buffers are in use.
+        step: this step's plan, from ``_prepare_inputs`` until ``_sample`` consumes it.
+        hybrid_ctx: this step's recurrent-layer context, from the target forward to ``_sample``.
+        hybrid_done: this step's target forward has run (a second forward is the drafter's).
+        cache_layers: CUDA: ``name -> (impl, kv_cache)`` of the target's tree-attention layers
+            (found on the first tree step).
+        committed_max: the longest committed length after this step's verification, for the
+            drafter's ``max_model_len`` check (``None``: no step verified since).
+    """
+
+    config: DDTreeConfig
+    hybrid: bool = False
+    tree_masks: bool = False
+    step: TreeStep | None = None
+    hybrid_ctx: Any = None
+    hybrid_done: bool = False
+    cache_layers: dict[str, tuple[Any, Any]] | None = None
+    committed_max: int | None = None
+
+
+def engine_state(runner: Any) -> V1EngineState | None:
+    """The runner's :class:`V1EngineState`, or ``None`` (not a DDTree engine)."""
+    return getattr(runner, "_ddtree", None)
