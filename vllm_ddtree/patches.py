@@ -495,21 +495,11 @@ def _target_cache_layers(self) -> dict:
     if state.cache_layers is None:
         from vllm.forward_context import get_forward_context
 
-        from vllm_ddtree.attention.cuda import DDTreeTritonAttentionImpl
+        from vllm_ddtree.attention.cuda import target_cache_layers
 
-        drafter_layers = set(getattr(self.drafter, "_draft_attn_layer_names", ()) or ())
-        layers, seen = {}, set()
-        for name, layer in get_forward_context().no_compile_layers.items():
-            impl = getattr(layer, "impl", None)
-            if (name in drafter_layers or not isinstance(impl, DDTreeTritonAttentionImpl)
-                    or impl.attn_type != "decoder" or impl.kv_sharing_target_layer_name):
-                continue
-            kv_cache = layer.kv_cache
-            if kv_cache.data_ptr() in seen:
-                continue
-            seen.add(kv_cache.data_ptr())
-            layers[name] = (impl, kv_cache)
-        state.cache_layers = layers
+        state.cache_layers = target_cache_layers(
+            get_forward_context().no_compile_layers,
+            set(getattr(self.drafter, "_draft_attn_layer_names", ()) or ()))
     return state.cache_layers
 
 

@@ -29,7 +29,7 @@ no Python, so nothing here may depend on Python state at replay:
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import torch
 from vllm.v1.attention.backend import AttentionLayer, AttentionType
@@ -337,3 +337,31 @@ class DDTreeTritonAttentionImpl(TritonAttentionImpl):
         """
         key_cache, value_cache = self.nhd_caches(kv_cache)
         compact_kv_nhd(key_cache, value_cache, src_slots, dst_slots)
+
+
+def target_cache_layers(layers: Mapping[str, Any],
+                        drafter_layer_names: Collection[str]) -> dict[str, tuple[Any, torch.Tensor]]:
+    """The layers whose caches KV compaction on CUDA rewrites (``commit.compact_kv_in_cache``).
+
+    Args:
+        layers: ``name -> attention layer`` of the engine (vLLM's static forward context).
+        drafter_layer_names: the drafter's attention layers (its cache is not compacted).
+
+    Returns:
+        ``name -> (impl, kv_cache)`` of the target's decoder self-attention layers on
+        :class:`DDTreeTritonAttentionImpl` that own their cache: KV-sharing layers, and a second
+        layer on an already listed cache, are left out (a second copy would read moved slots).
+    """
+    out: dict[str, tuple[Any, torch.Tensor]] = {}
+    seen = set()
+    for name, layer in layers.items():
+        impl = getattr(layer, "impl", None)
+        if (name in drafter_layer_names or not isinstance(impl, DDTreeTritonAttentionImpl)
+                or impl.attn_type != "decoder" or impl.kv_sharing_target_layer_name):
+            continue
+        kv_cache = layer.kv_cache
+        if kv_cache.data_ptr() in seen:
+            continue
+        seen.add(kv_cache.data_ptr())
+        out[name] = (impl, kv_cache)
+    return out

@@ -203,26 +203,14 @@ class DDTreeSpeculator(DFlashSpeculator):
         return out
 
     def target_cache_layers(self) -> dict[str, tuple[Any, torch.Tensor]]:
-        """``name -> (impl, kv_cache)`` of the target's tree-attention layers that own a KV cache
-        (CUDA KV compaction inside the caches); the drafter's and KV-sharing layers are left
-        out (a second copy into a shared cache would read moved slots)."""
+        """The target's layers for KV compaction inside the caches (CUDA), found once
+        (:func:`vllm_ddtree.attention.cuda.target_cache_layers`)."""
         if self._cache_layers is None:
-            from vllm_ddtree.attention.cuda import DDTreeTritonAttentionImpl
+            from vllm_ddtree.attention.cuda import target_cache_layers
 
-            layers, seen = {}, set()
-            context = self.vllm_config.compilation_config.static_forward_context
-            for name, layer in context.items():
-                impl = getattr(layer, "impl", None)
-                if (name in self.draft_attn_layer_names
-                        or not isinstance(impl, DDTreeTritonAttentionImpl)
-                        or impl.attn_type != "decoder" or impl.kv_sharing_target_layer_name):
-                    continue
-                kv_cache = layer.kv_cache
-                if kv_cache.data_ptr() in seen:
-                    continue
-                seen.add(kv_cache.data_ptr())
-                layers[name] = (impl, kv_cache)
-            self._cache_layers = layers
+            self._cache_layers = target_cache_layers(
+                self.vllm_config.compilation_config.static_forward_context,
+                self.draft_attn_layer_names)
         return self._cache_layers
 
     def build_trees(self, req_ids: list[str], log_probs: torch.Tensor) -> list[DraftTree]:
