@@ -318,3 +318,13 @@ def test_hand_set_additional_config_is_refused(qwen3_target, dflash_drafter):
     )
     with pytest.raises(DDTreeConfigError, match=r"additional_config\['ddtree'\]"):
         args.create_engine_config()
+
+
+def test_budget_above_vllms_default_token_budget_names_the_key(qwen3_target, dflash_drafter):
+    """Without max_num_batched_tokens the plugin cannot know vLLM's default token budget, and
+    vLLM's own "not enough slots" check fails first: the error still names ddtree_budget."""
+    from tests.support.models import make_llm
+
+    with pytest.raises(DDTreeConfigError, match=r"ddtree_budget'\]=5000.*max_num_batched_tokens"):
+        make_llm(qwen3_target, max_num_batched_tokens=None, speculative_config={
+            "method": "ddtree", "model": str(dflash_drafter), "ddtree_budget": 5000})

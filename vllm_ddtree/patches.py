@@ -212,10 +212,12 @@ def _create_engine_config(original: Callable) -> Callable:
             check_tree_attention_backend(self, current_platform_name())
             if self.enable_prefix_caching is not False:
                 check_hybrid_prefix_caching(self, self.create_model_config())
+            budget = (self.speculative_config or {}).get("ddtree_budget") if isinstance(
+                self.speculative_config, dict) else None
             try:
                 config = original(self, *args, **kwargs)
             except ValueError as e:
-                ours = _ddtree_error_in(e)
+                ours = _ddtree_error_in(e) or _slots_error_in(e, budget)
                 if ours is None:
                     raise
                 raise ours from None
@@ -243,6 +245,21 @@ def _ddtree_error_in(error: ValueError) -> DDTreeConfigError | None:
         if isinstance(inner, DDTreeConfigError):
             return inner
     return None
+
+
+def _slots_error_in(error: ValueError, budget: Any) -> DDTreeConfigError | None:
+    """vLLM's own "not enough slots" check (``VllmConfig``: ``max_num_batched_tokens`` below the
+    tokens one speculative step schedules per request) fails before the plugin can check the
+    budget against vLLM's *default* token budget: say which option that is."""
+    text = str(error)
+    if "enough slots" not in text:
+        return None
+    vllm_says = next((ln.strip() for ln in text.splitlines() if "enough slots" in ln), text)
+    return DDTreeConfigError(
+        f"speculative_config['ddtree_budget']={budget!r} does not fit in one scheduler step: "
+        "DDTree verifies max(ddtree_budget, num_speculative_tokens) + 1 tokens per request and "
+        "step; lower ddtree_budget or raise max_num_batched_tokens (vLLM: "
+        f"{vllm_says})")
 
 
 @patch("vllm.config.vllm", "VllmConfig._validate_v1_model_runner")

@@ -99,8 +99,10 @@ class OracleDrafts:
         for i, (tok, pos) in enumerate(zip(bonus_tokens, bonus_positions)):
             key = req_ids[i] if req_ids is not None else None
             pool = self._candidates.get(key) if key is not None else None
-            match = [k for k in (range(len(self.sequences)) if pool is None else pool)
-                     if self._agrees(k, int(tok), int(pos))]
+            keys = range(len(self.sequences)) if pool is None else pool
+            if all(int(pos) < self.sequences[k][0] for k in keys):
+                continue  # a draft during a chunked prefill: the request has not started yet
+            match = [k for k in keys if self._agrees(k, int(tok), int(pos))]
             if key is not None:
                 self._candidates[key] = match
             if not match:
