@@ -36,30 +36,33 @@ def _model(*layers):
 
 def test_supported_kinds_pass(layer_classes):
     c = layer_classes
-    assert check_recurrent_layers(_model(c["bare"](c["gdn"])), "oracle", on_cpu=True) == [
+    assert check_recurrent_layers(_model(c["bare"](c["gdn"])), "oracle", platform="cpu") == [
         "GatedDeltaNet"]
-    assert check_recurrent_layers(_model(c["bare"](c["mamba2"])), "oracle", on_cpu=True) == [
+    assert check_recurrent_layers(_model(c["bare"](c["mamba2"])), "oracle", platform="cpu") == [
         "Mamba2"]
-    assert check_recurrent_layers(_model(), "oracle", on_cpu=True) == []
+    assert check_recurrent_layers(_model(), "oracle", platform="cpu") == []
 
 
 def test_unknown_kind_is_refused_naming_the_type_and_the_way_out(layer_classes):
     c = layer_classes
     model = _model(c["bare"](c["mamba2"]), c["bare"](c["mamba1"]))
     with pytest.raises(DDTreeConfigError, match=r"MambaMixer \(e\.g\. layers\.2\).*shadow_linear"):
-        check_recurrent_layers(model, "oracle", on_cpu=True)
+        check_recurrent_layers(model, "oracle", platform="cpu")
     # A subclass is another kind until proven: its forward may differ.
     sub = type("MyGDNVariant", (c["gdn"],), {})
     with pytest.raises(DDTreeConfigError, match="MyGDNVariant"):
-        check_recurrent_layers(_model(c["bare"](sub)), "oracle", on_cpu=True)
-    assert "MambaMixer" in check_recurrent_layers(model, "shadow_linear", on_cpu=True)
+        check_recurrent_layers(_model(c["bare"](sub)), "oracle", platform="cpu")
+    assert "MambaMixer" in check_recurrent_layers(model, "shadow_linear", platform="cpu")
 
 
-def test_oracle_is_cpu_only_in_this_version(layer_classes):
+def test_oracle_runs_on_cpu_and_cuda_only(layer_classes):
     c = layer_classes
-    with pytest.raises(DDTreeConfigError, match="CPU kernels only.*shadow_linear"):
-        check_recurrent_layers(_model(c["bare"](c["gdn"])), "oracle", on_cpu=False)
-    assert check_recurrent_layers(_model(c["bare"](c["gdn"])), "shadow_linear", on_cpu=False)
+    for kind, name in (("gdn", "GatedDeltaNet"), ("mamba2", "Mamba2")):
+        assert check_recurrent_layers(_model(c["bare"](c[kind])), "oracle", platform="cuda") == [
+            name]
+    with pytest.raises(DDTreeConfigError, match=r"cpu and cuda only, not on 'rocm'.*shadow_linear"):
+        check_recurrent_layers(_model(c["bare"](c["gdn"])), "oracle", platform="rocm")
+    assert check_recurrent_layers(_model(c["bare"](c["gdn"])), "shadow_linear", platform="rocm")
 
 
 def test_supported_table_names_real_vllm_classes(layer_classes):

@@ -111,6 +111,10 @@ class Change:
         signatures: supported vLLM version -> canonical signature, or ``None`` (existence only).
         site: the plugin file that makes the change or uses the symbol.
         platforms: platforms where the change applies (``"cpu"``, ``"cuda"``).
+        platform_signatures: platform -> (version -> signature) where one platform binds the
+            target to another function (vLLM's CPU build swaps some kernels at import:
+            ``if current_platform.is_cpu(): causal_conv1d_update = causal_conv1d_update_cpu``);
+            ``signatures`` holds the other platforms' expectation.
         make_wrapper: kind ``"patch"`` only: ``make_wrapper(original) -> wrapper``, bound by
             :func:`vllm_ddtree.patches.patch`.
     """
@@ -121,7 +125,19 @@ class Change:
     signatures: Mapping[str, str | None]
     site: str
     platforms: tuple[str, ...] = ("cpu", "cuda")
+    platform_signatures: Mapping[str, Mapping[str, str | None]] = field(default_factory=dict)
     make_wrapper: Callable[[Callable], Callable] | None = field(default=None, repr=False)
+
+    def expected(self, version: str, platform: str) -> str | None:
+        """The signature expected of the target in vLLM ``version`` on ``platform``."""
+        return self.platform_signatures.get(platform, {}).get(version, self.signatures[version])
+
+    def all_expected(self, version: str) -> set[str]:
+        """Every signature the target has in vLLM ``version`` on some platform."""
+        found = {self.signatures[version]}
+        found.update(v.get(version, self.signatures[version])
+                     for v in self.platform_signatures.values())
+        return {s for s in found if s is not None}
 
     @property
     def module(self) -> str:
@@ -172,10 +188,24 @@ _P, _PL, _V, _PR = ("vllm_ddtree/patches.py", "vllm_ddtree/plugin.py", "vllm_ddt
                     "vllm_ddtree/proposer.py")
 _ACPU, _ACUDA, _SEL = ("vllm_ddtree/attention/cpu.py", "vllm_ddtree/attention/cuda.py",
                        "vllm_ddtree/attention/selection.py")
+_GDN_CUDA = "vllm_ddtree/hybrid/gdn_cuda.py"
 _GDN, _GUARD, _MODELS, _GRAN = ("vllm_ddtree/hybrid/gdn_cpu.py", "vllm_ddtree/hybrid/guard.py",
                                 "vllm_ddtree/models/__init__.py",
                                 "vllm_ddtree/models/granite_hybrid.py")
 _CPU, _CUDA = ("cpu",), ("cuda",)
+#: vLLM's ``causal_conv1d_update``: the Triton op (0.33 dropped two prefix-caching arguments the
+#: oracle does not pass), and the CPU build's replacement for it.
+_TRITON_CONV_SIG = {
+    "0.32.0": ("(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None, "
+               "num_accepted_tokens=None, query_start_loc=None, max_query_len=-1, "
+               "null_block_id=0, block_idx_last_scheduled_token=None, "
+               "initial_state_idx=None, validate_data=False, out=None)"),
+    "0.33.0": ("(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None, "
+               "num_accepted_tokens=None, query_start_loc=None, max_query_len=-1, "
+               "null_block_id=0, validate_data=False, out=None)"),
+}
+_CPU_CONV_SIG = ("(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None, "
+                 "query_start_loc=None, pad_slot_id=None, **kwargs)")
 
 REGISTER: list[Change] = [
     # ---- patches: front end
@@ -231,17 +261,39 @@ REGISTER: list[Change] = [
        "by swapping torch.cpu._is_amx_tile_supported during the call.",
        both("(layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out, conv_buf, ssm_state, "
             "width)"), _P, _CPU),
-    _c(f"{_MIXER2}:causal_conv1d_update", "patch",
-       "Mamba2 speculative conv rows along each node's ancestor path (tree oracle); the name is "
-       "the one mamba_mixer2 imported (on CPU vLLM's causal_conv1d_update_cpu), so only the "
-       "mixer's calls are affected.",
-       both("(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None, "
-            "query_start_loc=None, pad_slot_id=None, **kwargs)"), _P, _CPU),
+    Change(f"{_MIXER2}:causal_conv1d_update", "patch",
+           "Mamba2 speculative conv rows along each node's ancestor path (tree oracle); the name "
+           "is the one mamba_mixer2 imported (vLLM's Triton op on CUDA, causal_conv1d_update_cpu "
+           "on CPU), so only the mixer's calls are affected.",
+           _TRITON_CONV_SIG, _P, platform_signatures={"cpu": both(_CPU_CONV_SIG)}),
     _c(f"{_MIXER2}:selective_state_update", "patch",
-       "Mamba2 speculative SSM rows from each node's parent state (tree oracle).",
+       "Mamba2 speculative SSM rows from each node's parent state (tree oracle), through the SSU "
+       "backend vLLM chose (Triton or FlashInfer on CUDA, C++ on CPU).",
        both("(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplus=False, "
             "state_batch_indices=None, dst_state_batch_indices=None, null_block_id=0, out=None, "
-            "num_accepted_tokens=None, cu_seqlens=None, is_blackwell=False)"), _P, _CPU),
+            "num_accepted_tokens=None, cu_seqlens=None, is_blackwell=False)"), _P),
+    # ---- patches: GatedDeltaNet on CUDA (vLLM's Triton kernels; hybrid/gdn_cuda.py)
+    _c(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention._forward_core", "patch",
+       "During a DDTree step the GDN core publishes its layer and GDNAttentionMetadata to the "
+       "two kernel patches below (vLLM calls the kernels without the speculative rows' batch "
+       "positions).",
+       both("(self, mixed_qkv, b, a, core_attn_out)"), _P),
+    _c(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention._can_use_fused_gdn_mtp_decode", "patch",
+       "False during a DDTree step: vLLM's fused CUDA MTP op (VLLM_GDN_DECODE_KERNEL=cuda, the "
+       "default; speculative rows of <= 8 tokens) runs the rows as a chain inside one op the "
+       "tree oracle cannot replace. Plain engines keep vLLM's choice.",
+       both("(self, attn_metadata)"), _P),
+    Change(f"{_QWEN_GDN}:causal_conv1d_update", "patch",
+           "GDN speculative conv rows along each node's ancestor path (tree oracle); the name the "
+           "GDN module imported, so only its calls are affected.",
+           _TRITON_CONV_SIG, _P, platform_signatures={"cpu": both(_CPU_CONV_SIG)}),
+    _c(f"{_QWEN_GDN}:fused_sigmoid_gating_delta_rule_update", "patch",
+       "GDN speculative recurrence: one call per tree depth, every node's state from its "
+       "parent's slot (tree oracle) instead of one chain along the request's rows.",
+       both("(A_log, a, b, dt_bias, q, k, v, beta=1.0, threshold=20.0, scale=None, "
+            "initial_state=None, inplace_final_state=True, cu_seqlens=None, "
+            "ssm_state_indices=None, num_accepted_tokens=None, use_qk_l2norm_in_kernel=False, "
+            "is_kda=False)"), _P),
     # ---- patches: Model Runner V2
     _c(f"{_V2R}.model_runner:init_speculator", "patch",
        "V2's runner builds its speculator through this name: DDTree engines get "
@@ -315,6 +367,13 @@ REGISTER: list[Change] = [
        "The engine config while vLLM builds attention layers (the CUDA impl reads "
        "num_speculative_tokens).",
        both("()"), _ACUDA),
+    _c("vllm.config.compilation:CUDAGraphMode.has_full_cudagraphs", "dependency",
+       "A hybrid target's DDTree engine on CUDA runs piecewise graphs only (the tree oracle's "
+       "layout is Python inside the recurrent cores).",
+       both("(self)"), _GUARD),
+    _c("vllm.config.compilation:CUDAGraphMode.PIECEWISE", "dependency",
+       "The graph mode a hybrid DDTree engine on CUDA gets instead of full decode graphs.",
+       both(None), _GUARD),
     _c("vllm.config.compilation:CUDAGraphMode.mixed_mode", "dependency",
        "cudagraph_mode=FULL (full graphs of mixed batches) is refused for DDTree engines.",
        both("(self)"), _ACUDA, _CUDA),
@@ -655,9 +714,11 @@ REGISTER: list[Change] = [
     *_attrs("vllm.v1.attention.backends.gdn_attn:GDNAttentionMetadata",
             "num_spec_decodes spec_query_start_loc spec_sequence_masks "
             "spec_state_indices_tensor num_accepted_tokens",
-            "The speculative GDN rows the tree oracle lays its trees onto.", _GDN, _CPU),
+            "The speculative GDN rows the tree oracle lays its trees onto.", _GDN),
     *_attrs(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention", "A_log dt_bias conv1d activation",
-            "The GDN layer's parameters the oracle steps with.", _GDN, _CPU),
+            "The GDN layer's parameters the CPU oracle steps with.", _GDN, _CPU),
+    *_attrs(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention", "prefix",
+            "The layer's name: its GDNAttentionMetadata in the forward context.", _GDN_CUDA),
     *_attrs(f"{_GRANITE}:GraniteMoeHybridModel", "embedding_multiplier layers norm",
             "Read by the replicated decoder forward.", _GRAN),
 ]
@@ -880,7 +941,8 @@ def ast_signature(fn: ast.FunctionDef | ast.AsyncFunctionDef,
 # --------------------------------------------------------------------------- live check
 
 
-def _platform() -> str:
+def platform_name() -> str:
+    """The vLLM platform this process runs on: ``"cpu"``, ``"cuda"``, or vLLM's device type."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -950,7 +1012,7 @@ def check_installed(version: str | None = None, platform: str | None = None,
         expectation, or ``target: expected SIG, found SIG``.
     """
     version = installed_vllm_version() if version is None else version
-    platform = _platform() if platform is None else platform
+    platform = platform_name() if platform is None else platform
     problems = []
     for change in REGISTER if register is None else register:
         if platform not in change.platforms:
@@ -963,7 +1025,7 @@ def check_installed(version: str | None = None, platform: str | None = None,
         except LookupError as e:
             problems.append(f"{change.target}: missing ({e})")
             continue
-        expected = change.signatures[version]
+        expected = change.expected(version, platform)
         if expected is None or change.kind == "attribute":
             continue
         found = live_signature(obj)
@@ -987,7 +1049,7 @@ def verify_installed() -> None:
     """
     version = installed_vllm_version()
     check_vllm_version(version)
-    key = (version, _platform())
+    key = (version, platform_name())
     if key in _VERIFIED:
         return
     problems = check_installed(version, key[1])
@@ -1259,8 +1321,9 @@ def check_sources(root: Path | str, version: str,
                   register: Iterable[Change] | None = None) -> tuple[list[str], list[str]]:
     """Check the register against vLLM's Python sources without importing them.
 
-    A target passes when it is defined and, where a signature is recorded, one of its
-    definitions (a module may define a name once per platform) has that signature.
+    A target passes when it is defined and every signature recorded for it (one per platform
+    where they differ, :attr:`Change.platform_signatures`) is the signature of one of its
+    definitions (a module may define a name once per platform).
 
     Args:
         root: the folder holding the ``vllm`` package (an unpacked sdist, or site-packages).
@@ -1285,14 +1348,12 @@ def check_sources(root: Path | str, version: str,
         except SourceLookupError as e:
             problems.append(f"{change.target}: missing ({e})")
             continue
-        expected = change.signatures[version]
-        if expected is None:
-            continue
         found = [ast_signature(f.node, _default_resolver(src, f.module)) for f in candidates
                  if isinstance(f.node, (ast.FunctionDef, ast.AsyncFunctionDef))]
-        if expected not in found:
-            problems.append(f"{change.target}: expected {expected}, found "
-                            + (" or ".join(dict.fromkeys(found)) or "no function"))
+        for expected in sorted(change.all_expected(version)):
+            if expected not in found:
+                problems.append(f"{change.target}: expected {expected}, found "
+                                + (" or ".join(dict.fromkeys(found)) or "no function"))
     return problems, skipped
 
 

@@ -388,6 +388,10 @@ def _runner_init(original: Callable) -> Callable:
             install_tree_mask_buffers,
         )
 
+        if self._ddtree.hybrid:
+            from vllm_ddtree.hybrid.guard import hybrid_cudagraph_mode
+
+            hybrid_cudagraph_mode(vllm_config, ddtree.hybrid)
         # The Triton tree backend (CUDA) reads static mask buffers, allocated before any
         # CUDA-graph capture.
         self._ddtree.tree_masks = engine_uses_tree_mask_buffers()
@@ -625,11 +629,11 @@ patch("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", "_spec_aware_non
 _MIXER2 = "vllm.model_executor.layers.mamba.mamba_mixer2"
 
 
-@patch(_MIXER2, "causal_conv1d_update", cpu_only=True)
+@patch(_MIXER2, "causal_conv1d_update")
 def _mamba2_conv_update(original: Callable) -> Callable:
     def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, *args, **kwargs):
         from vllm_ddtree.hybrid.context import active_hybrid_context
-        from vllm_ddtree.hybrid.mamba2_cpu import is_speculative_call, tree_conv_update
+        from vllm_ddtree.hybrid.mamba2 import is_speculative_call, tree_conv_update
 
         ctx = active_hybrid_context()
         indices = kwargs.get("conv_state_indices")
@@ -641,11 +645,11 @@ def _mamba2_conv_update(original: Callable) -> Callable:
     return causal_conv1d_update
 
 
-@patch(_MIXER2, "selective_state_update", cpu_only=True)
+@patch(_MIXER2, "selective_state_update")
 def _mamba2_state_update(original: Callable) -> Callable:
     def selective_state_update(state, x, dt, A, B, C, D=None, dt_bias=None, *args, **kwargs):
         from vllm_ddtree.hybrid.context import active_hybrid_context
-        from vllm_ddtree.hybrid.mamba2_cpu import is_speculative_call, tree_state_update
+        from vllm_ddtree.hybrid.mamba2 import is_speculative_call, tree_state_update
 
         ctx = active_hybrid_context()
         indices = kwargs.get("state_batch_indices")
@@ -660,6 +664,70 @@ def _mamba2_state_update(original: Callable) -> Callable:
                                  kwargs["num_accepted_tokens"], kwargs["cu_seqlens"], **kw)
 
     return selective_state_update
+
+
+# GatedDeltaNet on CUDA (``QwenGatedDeltaNetAttention.forward_cuda``): the core publishes its
+# layer for the two Triton kernels it calls on speculative rows, and vLLM's fused MTP op (which
+# would run those rows as a chain inside one CUDA op) is never chosen during a DDTree step.
+
+_QWEN_GDN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
+
+
+@patch(_QWEN_GDN, "QwenGatedDeltaNetAttention._forward_core")
+def _gdn_forward_core(original: Callable) -> Callable:
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        from vllm_ddtree.hybrid.context import active_hybrid_context
+        from vllm_ddtree.hybrid.gdn_cuda import gdn_layer_call
+
+        ctx = active_hybrid_context()
+        if ctx is None:
+            return original(self, mixed_qkv, b, a, core_attn_out)
+        with gdn_layer_call(ctx, self):
+            return original(self, mixed_qkv, b, a, core_attn_out)
+
+    return _forward_core
+
+
+@patch(_QWEN_GDN, "QwenGatedDeltaNetAttention._can_use_fused_gdn_mtp_decode")
+def _gdn_no_fused_mtp(original: Callable) -> Callable:
+    def _can_use_fused_gdn_mtp_decode(self, attn_metadata):
+        from vllm_ddtree.hybrid.context import active_hybrid_context
+
+        if active_hybrid_context() is not None:
+            return False
+        return original(self, attn_metadata)
+
+    return _can_use_fused_gdn_mtp_decode
+
+
+@patch(_QWEN_GDN, "causal_conv1d_update")
+def _gdn_conv_update(original: Callable) -> Callable:
+    def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, *args, **kwargs):
+        from vllm_ddtree.hybrid.context import active_hybrid_context
+        from vllm_ddtree.hybrid.gdn_cuda import is_speculative_call, tree_conv_update
+
+        ctx = active_hybrid_context()
+        if (ctx is None or ctx.gdn_call is None or args
+                or not is_speculative_call(kwargs.get("num_accepted_tokens"))):
+            return original(x, conv_state, weight, bias, activation, *args, **kwargs)
+        return tree_conv_update(ctx, original, x, conv_state, weight, bias, activation)
+
+    return causal_conv1d_update
+
+
+@patch(_QWEN_GDN, "fused_sigmoid_gating_delta_rule_update")
+def _gdn_recurrent_update(original: Callable) -> Callable:
+    def fused_sigmoid_gating_delta_rule_update(*args, **kwargs):
+        from vllm_ddtree.hybrid.context import active_hybrid_context
+        from vllm_ddtree.hybrid.gdn_cuda import is_speculative_call, tree_gated_delta_update
+
+        ctx = active_hybrid_context()
+        if (ctx is None or ctx.gdn_call is None or args
+                or not is_speculative_call(kwargs.get("num_accepted_tokens"))):
+            return original(*args, **kwargs)
+        return tree_gated_delta_update(ctx, original, **kwargs)
+
+    return fused_sigmoid_gating_delta_rule_update
 
 
 # --------------------------------------------------------------------------- Model Runner V2

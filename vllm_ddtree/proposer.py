@@ -159,12 +159,12 @@ class DDTreeProposer(DFlashProposer):
             DDTreeConfigError: a recurrent layer the tree oracle cannot run exactly
                 (:func:`vllm_ddtree.hybrid.guard.check_recurrent_layers`).
         """
-        from vllm.platforms import current_platform
+        from vllm_ddtree.integration import platform_name
 
         from vllm_ddtree.hybrid.guard import check_recurrent_layers
 
         kinds = check_recurrent_layers(target_model, self.ddtree.hybrid,
-                                       on_cpu=current_platform.is_cpu())
+                                       platform=platform_name())
         if kinds:
             logger.info("DDTree: recurrent layers %s verify trees through the %s", kinds,
                         "top-1 chain (shadow_linear)" if self.ddtree.hybrid == "shadow_linear"

@@ -8,6 +8,8 @@ process. :func:`run_v2` writes a JSON *spec*, runs this file as a script and ret
 Spec (all keys but ``configs`` optional)::
 
     {"v2": true,                 # false: a plain V1 subprocess (no harness), for comparisons
+     "cuda_recurrent": false,    # true: GDN / Mamba2 layers on their CUDA code path, vLLM's
+                                 # Triton kernels interpreted (tests.support.cuda_recurrent)
      "configs": [{
         "name": "target-only",   # default: "config<i>"
         "target": "/path/to/model",
@@ -301,6 +303,10 @@ def main(argv: list[str]) -> int:
     from tests.support.models import apply_cpu_test_env
 
     apply_cpu_test_env()
+    if spec.get("cuda_recurrent"):
+        from tests.support.cuda_recurrent import install as cuda_recurrent
+
+        cuda_recurrent()
     expected = V2_RUNNER if v2 else V1_RUNNER
     results: list[dict[str, Any]] = []
     for i, cfg in enumerate(spec["configs"]):

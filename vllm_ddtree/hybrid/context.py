@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
-from vllm_ddtree.hybrid.oracle import RecurrentTreeLayout
+from vllm_ddtree.hybrid.oracle import RecurrentTreeLayout, build_recurrent_layout, conv_window_index
 
 
 @dataclass
@@ -45,11 +45,44 @@ class HybridTreeContext:
             draft tree (not a chain); every other speculative row is run as a chain.
         records: one :class:`RecurrentRecord` per recurrent layer call of the forward.
         cache: per-step memo (layouts and conv window indices shared by layers).
+        gdn_call: ``(layer, GDNAttentionMetadata)`` of the GatedDeltaNet layer whose CUDA core
+            (``_forward_core``) is running, or ``None`` (see :mod:`vllm_ddtree.hybrid.gdn_cuda`).
     """
 
     tree_parents: dict[int, torch.Tensor]
     records: list[RecurrentRecord] = field(default_factory=list)
     cache: dict[Any, Any] = field(default_factory=dict)
+    gdn_call: tuple[Any, Any] | None = None
+
+    def layout(self, key: Any, build: Callable[[], tuple], width: int | None = None,
+               keep: Any = None) -> tuple[RecurrentTreeLayout, torch.Tensor | None]:
+        """The step's layout of one recurrent metadata object, memoised under ``key``.
+
+        Layers of one KV-cache group share their metadata, so the layout (host work) is built
+        once per step.
+
+        Args:
+            key: identifies the metadata (ids or data pointers).
+            build: returns the arguments ``(seq_lens, batch_index, state_indices,
+                num_accepted)`` of :func:`~vllm_ddtree.hybrid.oracle.build_recurrent_layout`;
+                called on the first use of ``key`` only.
+            width: conv width W, for the conv window index.
+            keep: objects that make up ``key``, held for the step (ids stay unique).
+
+        Returns:
+            ``(layout, index)``: ``index`` is :func:`~vllm_ddtree.hybrid.oracle.conv_window_index`
+            for ``width`` (``None`` without a width).
+        """
+        hit = self.cache.get(key)
+        if hit is None:
+            layout = build_recurrent_layout(*build(), self.tree_parents)
+            hit = self.cache[key] = (layout, {}, keep)
+        layout, windows, _ = hit
+        if width is None:
+            return layout, None
+        if width not in windows:
+            windows[width] = conv_window_index(layout, width)
+        return layout, windows[width]
 
 
 _ACTIVE: HybridTreeContext | None = None

@@ -15,8 +15,7 @@ import torch
 
 from vllm_ddtree.hybrid.context import HybridTreeContext, RecurrentRecord
 from vllm_ddtree.hybrid.oracle import (
-    build_recurrent_layout,
-    conv_window_index,
+    RecurrentTreeLayout,
     gather_conv_windows,
     read_conv_windows,
     run_tree_levels,
@@ -31,18 +30,17 @@ def spec_batch_rows(spec_sequence_masks: torch.Tensor | None, num_spec: int) -> 
     return torch.nonzero(spec_sequence_masks.cpu()).flatten()[:num_spec].tolist()
 
 
-def layout_for(ctx: HybridTreeContext, key: Any, seq_lens, batch_rows, state_indices,
-               num_accepted, width: int):
-    """The step's layout and conv window index for one metadata object (memoised per step)."""
-    hit = ctx.cache.get(key)
-    if hit is None:
-        layout = build_recurrent_layout(seq_lens, batch_rows, state_indices, num_accepted,
-                                        ctx.tree_parents)
-        hit = ctx.cache[key] = (layout, {}, key)
-    layout, windows, _ = hit
-    if width not in windows:
-        windows[width] = conv_window_index(layout, width)
-    return layout, windows[width]
+def gdn_layout(ctx: HybridTreeContext, md: Any,
+               width: int | None) -> tuple[RecurrentTreeLayout, torch.Tensor | None]:
+    """The speculative rows' layout of one ``GDNAttentionMetadata`` (``md``), memoised per
+    step; with ``width``, also the conv window index for that conv width."""
+    def build():
+        n_spec = md.num_spec_decodes
+        qsl = md.spec_query_start_loc[: n_spec + 1].cpu()
+        return ((qsl[1:] - qsl[:-1]).tolist(), spec_batch_rows(md.spec_sequence_masks, n_spec),
+                md.spec_state_indices_tensor[:n_spec], md.num_accepted_tokens[:n_spec])
+
+    return ctx.layout(("gdn", id(md)), build, width, keep=md)
 
 
 def decode_conv(layer: Any, x: torch.Tensor, windows: torch.Tensor,
@@ -115,14 +113,7 @@ def tree_spec_forward(
     Returns:
         ``[T, H_v, V]`` core attention output in spec order (what ``_spec_forward`` returns).
     """
-    n_spec = attn_metadata_i.num_spec_decodes
-    qsl = attn_metadata_i.spec_query_start_loc[: n_spec + 1].cpu()
-    seq_lens = (qsl[1:] - qsl[:-1]).tolist()
-    rows = spec_batch_rows(attn_metadata_i.spec_sequence_masks, n_spec)
-    layout, index = layout_for(
-        ctx, ("gdn", id(attn_metadata_i)), seq_lens, rows,
-        attn_metadata_i.spec_state_indices_tensor[:n_spec],
-        attn_metadata_i.num_accepted_tokens[:n_spec], width)
+    layout, index = gdn_layout(ctx, attn_metadata_i, width)
 
     prior = read_conv_windows(conv_buf, layout, width)
     windows = gather_conv_windows(mixed_qkv_spec, prior, index)

@@ -7,6 +7,7 @@ layer works and one that brings another recurrent kind stops with a clear error.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterable
 
 from vllm_ddtree.config import DDTreeConfigError
@@ -32,13 +33,18 @@ def recurrent_layers(model: Any) -> Iterable[tuple[str, Any]]:
             yield name, module
 
 
-def check_recurrent_layers(model: Any, hybrid_mode: str, on_cpu: bool) -> list[str]:
+#: Platforms whose recurrent kernels the oracle is wired into (CPU: vLLM's C++ ops; CUDA:
+#: vLLM's Triton ops, :mod:`vllm_ddtree.hybrid.gdn_cuda` and :mod:`vllm_ddtree.hybrid.mamba2`).
+ORACLE_PLATFORMS = ("cpu", "cuda")
+
+
+def check_recurrent_layers(model: Any, hybrid_mode: str, platform: str) -> list[str]:
     """Refuse a target whose recurrent layers the tree oracle cannot run.
 
     Args:
         model: the loaded target ``nn.Module``.
         hybrid_mode: ``ddtree_hybrid`` (``"oracle"`` or ``"shadow_linear"``).
-        on_cpu: the oracle is wired into vLLM's CPU recurrent kernels only.
+        platform: ``"cpu"``, ``"cuda"`` or another vLLM platform name.
 
     Returns:
         the recurrent layer kinds found (e.g. ``["GatedDeltaNet"]``), empty for a pure
@@ -46,7 +52,8 @@ def check_recurrent_layers(model: Any, hybrid_mode: str, on_cpu: bool) -> list[s
 
     Raises:
         DDTreeConfigError: in ``"oracle"`` mode, a recurrent layer of a kind not in
-            :data:`SUPPORTED_RECURRENT_LAYERS`, or any recurrent layer on a non-CPU platform.
+            :data:`SUPPORTED_RECURRENT_LAYERS`, or any recurrent layer on a platform outside
+            :data:`ORACLE_PLATFORMS` (ROCm, XPU: vLLM runs other GDN kernels there).
             The message names the layer type and the way out (``shadow_linear``).
     """
     kinds: dict[str, str] = {}
@@ -68,9 +75,46 @@ def check_recurrent_layers(model: Any, hybrid_mode: str, on_cpu: bool) -> list[s
             f"layer type {listed}: the sequential tree oracle supports "
             f"{sorted(set(SUPPORTED_RECURRENT_LAYERS.values()))} only; {way_out}"
         )
-    if kinds and not on_cpu:
+    if kinds and platform not in ORACLE_PLATFORMS:
         raise DDTreeConfigError(
             f"speculative method 'ddtree' runs the recurrent tree oracle ({sorted(kinds)}) on "
-            f"vLLM's CPU kernels only in this version; {way_out}"
+            f"{' and '.join(ORACLE_PLATFORMS)} only, not on {platform!r}; {way_out}"
         )
     return sorted(kinds)
+
+
+def hybrid_cudagraph_mode(vllm_config: Any, hybrid_mode: str, platform: str | None = None) -> bool:
+    """Keep full CUDA graphs away from a hybrid target's recurrent layers (CUDA, oracle mode).
+
+    The tree oracle lays out each step's trees in Python inside the recurrent layers' cores
+    (``vllm::qwen_gdn_attention_core``, ``vllm::mamba_mixer2``): a full graph of a decode batch
+    would replay the trees of the capture. Those cores are splitting ops of vLLM's piecewise
+    graphs (``CompilationConfig._attention_ops``), so under ``PIECEWISE`` they run eagerly
+    every step while the rest of the model stays in graphs. A mode with full graphs
+    (``FULL_AND_PIECEWISE``, vLLM's default; ``FULL_DECODE_ONLY``) becomes ``PIECEWISE`` here,
+    before the runner resolves its graph sizes, as vLLM's runners themselves downgrade modes an
+    attention backend cannot capture.
+
+    Args:
+        vllm_config: the engine's config; ``compilation_config.cudagraph_mode`` changes in place.
+        hybrid_mode: ``ddtree_hybrid``.
+        platform: default :func:`vllm_ddtree.integration.platform_name`.
+
+    Returns:
+        True if the mode was changed (logged).
+    """
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_ddtree.integration import platform_name
+
+    cc = vllm_config.compilation_config
+    mode = cc.cudagraph_mode
+    platform = platform_name() if platform is None else platform
+    if (platform != "cuda" or hybrid_mode != "oracle" or mode is None
+            or not mode.has_full_cudagraphs()):
+        return False
+    cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    logging.getLogger("vllm.ddtree").info(
+        "DDTree: cudagraph_mode %s -> PIECEWISE for the hybrid target (its recurrent layers "
+        "verify draft trees outside CUDA graphs)", mode.name)
+    return True

@@ -216,6 +216,44 @@ def tree_causal_conv(
     return out.to(x.dtype)
 
 
+def conv_through_kernel(
+    kernel: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    windows: torch.Tensor,
+    like: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | bool | None,
+) -> torch.Tensor:
+    """Each token's conv output through the one-token update target-only decoding calls.
+
+    Every token gets its own scratch conv state holding its ancestor window, and ``kernel``
+    (vLLM's ``causal_conv1d_update``: the Triton op on CUDA, ``causal_conv1d_update_cpu`` on
+    CPU) runs once for all of them as a batch of one-token decode rows, so each output is
+    computed exactly as a plain decode step computes it.
+
+    Args:
+        x: ``[T, dim]`` the tokens' pre-conv inputs.
+        windows: ``[T, dim, W - 1]`` from :func:`gather_conv_windows`.
+        like: the layer's conv cache view (``[slots, dim, S]``): the scratch copies its dtype
+            and storage order (vLLM's "DS" or "SD" conv layout).
+        weight: ``[dim, W]``; bias: ``[dim]`` or ``None``; activation: as vLLM passes it.
+
+    Returns:
+        ``[T, dim]`` conv outputs (activation applied), what ``kernel`` returns. vLLM's Triton
+        op writes them into ``x`` when ``x`` is contiguous (as it does for vLLM's own call).
+    """
+    T, dim, m = windows.shape
+    # Row 0 stays unused: slot 0 is vLLM's null block, which the kernels skip.
+    if like.stride(-2) == 1:
+        scratch = torch.zeros(T + 1, m, dim, dtype=like.dtype, device=x.device).transpose(1, 2)
+    else:
+        scratch = torch.zeros(T + 1, dim, m, dtype=like.dtype, device=x.device)
+    scratch[1:] = windows
+    return kernel(x.contiguous(), scratch, weight, bias, activation,
+                  conv_state_indices=torch.arange(1, T + 1, dtype=torch.int32, device=x.device))
+
+
 def read_conv_windows(conv_buf: torch.Tensor, layout: RecurrentTreeLayout, width: int) -> torch.Tensor:
     """``[N, dim, W - 1]`` committed conv windows (copies) from ``conv_buf [slots, dim, S]``."""
     m = width - 1

@@ -109,6 +109,10 @@ class DDTreeSpeculator(DFlashSpeculator):
             install_tree_mask_buffers,
         )
 
+        if self.hybrid:
+            from vllm_ddtree.hybrid.guard import hybrid_cudagraph_mode
+
+            hybrid_cudagraph_mode(vllm_config, ddtree.hybrid)
         # The Triton tree backend (CUDA) reads static mask buffers, allocated here, before any
         # CUDA-graph capture (the runner builds its speculator in __init__).
         self.uses_tree_mask_buffers = engine_uses_tree_mask_buffers()
@@ -128,11 +132,11 @@ class DDTreeSpeculator(DFlashSpeculator):
         Raises:
             DDTreeConfigError: a recurrent layer (:func:`vllm_ddtree.hybrid.guard.check_recurrent_layers`).
         """
-        from vllm.platforms import current_platform
+        from vllm_ddtree.integration import platform_name
 
         from vllm_ddtree.hybrid.guard import check_recurrent_layers
 
-        check_recurrent_layers(target_model, self.ddtree.hybrid, on_cpu=current_platform.is_cpu())
+        check_recurrent_layers(target_model, self.ddtree.hybrid, platform=platform_name())
         super().load_model(target_model)
 
     def init_cudagraph_manager(self, cudagraph_mode: Any) -> None:

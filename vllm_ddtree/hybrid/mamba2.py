@@ -1,7 +1,8 @@
 """Mamba2 (Nemotron-H, Granite-4 / GraniteMoeHybrid) speculative rows through the tree oracle.
 
 vLLM's Mamba2 mixer (``vllm/model_executor/layers/mamba/mamba_mixer2.py``) runs its decode rows
-through two module-level ops, ``causal_conv1d_update`` and ``selective_state_update``. While a
+through two module-level ops, ``causal_conv1d_update`` and ``selective_state_update`` (on CUDA
+the Triton conv and the Triton or FlashInfer SSU backend; on CPU vLLM's C++ ops). While a
 DDTree hybrid step is active, their speculative calls (2-D ``state_indices``, one row of
 ``K + 1`` slots per request) are replaced here: each node's conv window is gathered along its
 ancestor path, and its SSM state is advanced from its parent's, one depth level at a time, by
@@ -22,8 +23,7 @@ import torch
 from vllm_ddtree.hybrid.context import HybridTreeContext, RecurrentRecord
 from vllm_ddtree.hybrid.oracle import (
     RecurrentTreeLayout,
-    build_recurrent_layout,
-    conv_window_index,
+    conv_through_kernel,
     gather_conv_windows,
     read_conv_windows,
     run_tree_levels,
@@ -41,18 +41,13 @@ def _layout(ctx: HybridTreeContext, state_indices: torch.Tensor, num_accepted: t
     """The step's layout for this metadata (decode rows are the first ``N`` batch rows)."""
     key = ("mamba2", state_indices.data_ptr(), tuple(state_indices.shape),
            num_accepted.data_ptr(), query_start_loc.data_ptr())
-    hit = ctx.cache.get(key)
-    if hit is None:
+
+    def build():
         n = state_indices.shape[0]
         qsl = query_start_loc[: n + 1].cpu()
-        lens = (qsl[1:] - qsl[:-1]).tolist()
-        layout = build_recurrent_layout(lens, list(range(n)), state_indices, num_accepted[:n],
-                                        ctx.tree_parents)
-        hit = ctx.cache[key] = (layout, {}, (state_indices, num_accepted, query_start_loc))
-    layout, windows, _ = hit
-    if width is not None and width not in windows:
-        windows[width] = conv_window_index(layout, width)
-    return layout, (windows.get(width) if width is not None else None)
+        return (qsl[1:] - qsl[:-1]).tolist(), list(range(n)), state_indices, num_accepted[:n]
+
+    return ctx.layout(key, build, width, keep=(state_indices, num_accepted, query_start_loc))
 
 
 def tree_conv_update(
@@ -83,16 +78,8 @@ def tree_conv_update(
     layout, index = _layout(ctx, conv_state_indices, num_accepted_tokens, query_start_loc, width)
     prior = read_conv_windows(conv_state, layout, width)
     windows = gather_conv_windows(x, prior, index)
-    T, dim, m = windows.shape
-    # Same storage order as vLLM's cache (the mixer passes a transposed view of it). Row 0 is
-    # left unused: slot 0 is vLLM's null block, which the kernel skips.
-    scratch = torch.zeros(T + 1, dim, m, dtype=conv_state.dtype, device=x.device)
-    if conv_state.stride(-2) == 1:
-        scratch = torch.zeros(T + 1, m, dim, dtype=conv_state.dtype, device=x.device).transpose(1, 2)
-    scratch[1:] = windows
-    out = original(x.contiguous(), scratch, weight, bias, activation,
-                   conv_state_indices=torch.arange(1, T + 1, dtype=torch.int32, device=x.device))
-    write_conv_buffer(conv_state, layout, prior, x)
+    write_conv_buffer(conv_state, layout, prior, x)  # first: the Triton op overwrites x
+    out = conv_through_kernel(original, x, windows, conv_state, weight, bias, activation)
     ctx.records.append(RecurrentRecord(conv_state, None, layout, width))
     return out
 

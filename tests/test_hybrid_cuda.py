@@ -1,0 +1,132 @@
+"""Hybrid targets on the CUDA code path: the tree oracle through vLLM's Triton kernels.
+
+No GPU here: the Triton kernels run under Triton's interpreter on CPU tensors.
+
+* GatedDeltaNet: :mod:`vllm_ddtree.hybrid.gdn_cuda` per node against the fp32 references
+  (``tests/support/gdn_cuda_check.py``, a subprocess: the interpreter is chosen before Triton
+  loads).
+* Mamba2: whole V2 engines (``tests.support.v2_run`` with ``cuda_recurrent``: the mixer's conv is
+  vLLM's Triton op and the SSU backend vLLM's Triton one) equal target-only decoding through the
+  same kernels, with drafts that leave the top-1 spine; the power check without the recurrent
+  re-layout must differ.
+* The guards: vLLM's fused GDN MTP op is never chosen during a DDTree step, and hybrid DDTree
+  engines on CUDA run piecewise CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.support.v2_run import V2_RUNNER, run_v2
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gdn_cuda_oracle_every_node_equals_its_path_as_a_chain():
+    """Conv output, core output and final state of every node of three requests' trees (one a
+    chain; shuffled slots; committed slot at num_accepted - 1) equal the root-to-node path run
+    through the fp32 references, with vLLM's Triton kernels doing the work."""
+    proc = subprocess.run([sys.executable, str(REPO / "tests/support/gdn_cuda_check.py")],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    err = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert err["nodes"] == 20
+    assert err["conv"] < 1e-5 and err["out"] < 1e-5 and err["state"] < 1e-5, err
+
+
+def test_fused_gdn_mtp_op_is_never_chosen_during_a_ddtree_step():
+    """vLLM 0.32/0.33 send speculative GDN rows of <= 8 tokens to a fused CUDA op when
+    ``_can_use_fused_gdn_mtp_decode`` says so; during a DDTree step it says no, and plain
+    engines keep vLLM's answer."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+        QwenGatedDeltaNetAttention,
+    )
+
+    from vllm_ddtree import patches
+    from vllm_ddtree.hybrid.context import HybridTreeContext, hybrid_tree_active
+
+    patches.apply_patches()
+    installed = QwenGatedDeltaNetAttention._can_use_fused_gdn_mtp_decode
+    assert installed.__code__.co_filename == patches._gdn_no_fused_mtp.__code__.co_filename
+    wrapper = patches._gdn_no_fused_mtp(lambda self, md: True)
+    assert wrapper(None, None) is True
+    with hybrid_tree_active(HybridTreeContext({})):
+        assert wrapper(None, None) is False
+    assert wrapper(None, None) is True
+
+
+@pytest.mark.parametrize("mode,platform,hybrid,expected", [
+    ("FULL_AND_PIECEWISE", "cuda", "oracle", "PIECEWISE"),
+    ("FULL_DECODE_ONLY", "cuda", "oracle", "PIECEWISE"),
+    ("PIECEWISE", "cuda", "oracle", "PIECEWISE"),
+    ("NONE", "cuda", "oracle", "NONE"),
+    ("FULL_AND_PIECEWISE", "cpu", "oracle", "FULL_AND_PIECEWISE"),
+    ("FULL_AND_PIECEWISE", "cuda", "shadow_linear", "FULL_AND_PIECEWISE"),
+])
+def test_hybrid_ddtree_on_cuda_runs_piecewise_graphs(mode, platform, hybrid, expected):
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_ddtree.hybrid.guard import hybrid_cudagraph_mode
+
+    cfg = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode]))
+    changed = hybrid_cudagraph_mode(cfg, hybrid, platform)
+    assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode[expected]
+    assert changed == (mode != expected)
+
+
+PROMPTS = ["def main():\n", "import os\nimport sys\n"]
+ENGINE = {"max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 256}
+GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+
+
+def _target(name, target):
+    return {"name": name, "target": str(target), "prompts": PROMPTS, "dtype": "float32",
+            "sampling": GREEDY, **ENGINE}
+
+
+def _ddtree(name, target, drafter, budget, **extra):
+    return {**_target(name, target),
+            "speculative_config": {"method": "ddtree", "model": str(drafter),
+                                   "ddtree_budget": budget},
+            "oracle": {"from": "ref", "sidestep": 3}, **extra}
+
+
+@pytest.fixture(scope="module")
+def mamba2_cuda_runs(nemotron_h_pair) -> dict:
+    t, d = nemotron_h_pair
+    configs = [_target("ref", t), _ddtree("B7", t, d, 7), _ddtree("B16", t, d, 16),
+               _ddtree("B16-no-relayout", t, d, 16, disable=["recurrent_relayout"])]
+    t0 = time.perf_counter()
+    out = {c["name"]: c for c in
+           run_v2({"cuda_recurrent": True, "configs": configs}, timeout=1800)["configs"]}
+    print(f"\nMamba2 CUDA-path runs: {time.perf_counter() - t0:.0f} s")
+    return out
+
+
+def _ok(r: dict) -> dict:
+    assert r["error"] is None, f"[{r['name']}] {r['error']}"
+    assert r["runners"] == [V2_RUNNER], r["runners"]
+    return r
+
+
+@pytest.mark.parametrize("name", ["B7", "B16"])
+def test_mamba2_cuda_path_equals_target_only(mamba2_cuda_runs, name):
+    """Greedy DDTree on a Nemotron-H-like target through vLLM's Triton conv and SSU kernels
+    equals target-only through the same kernels; accepted paths of two or more drafts."""
+    ref, got = _ok(mamba2_cuda_runs["ref"]), _ok(mamba2_cuda_runs[name])
+    assert got["token_ids"] == ref["token_ids"]
+    per_pos = got["spec"]["accepted_per_pos"]
+    assert len(per_pos) > 1 and per_pos[1] > 0, got["spec"]
+
+
+def test_mamba2_cuda_path_power_check_without_relayout(mamba2_cuda_runs):
+    """Without the recurrent re-layout after verification the same run leaves target-only."""
+    got = _ok(mamba2_cuda_runs["B16-no-relayout"])
+    assert got["token_ids"] != mamba2_cuda_runs["ref"]["token_ids"]
