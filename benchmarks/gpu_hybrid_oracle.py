@@ -13,7 +13,8 @@ come from
   sdist, ``site-packages``, or a bundle written by ``--bundle``). The four kernel files are
   executed with minimal stand-ins for the few ``vllm`` modules they import (see
   :func:`install_vllm_stubs`); vLLM itself is never imported;
-* otherwise an installed ``vllm`` (its package directory, with the real ``vllm`` helpers).
+* otherwise an installed ``vllm``: its files, with the real ``vllm`` helpers (a CPU build, whose
+  ``vllm.triton_utils`` turns Triton off, falls back to the stubs).
 
 Either way each kernel file is executed only up to its ``if current_platform.is_cpu():`` tail,
 so a CPU build of vLLM still gives the Triton functions (the tail swaps in CPU versions).
@@ -24,8 +25,12 @@ Run from the repository root::
     python benchmarks/gpu_hybrid_oracle.py --bundle build/vllm-kernels
     # GPU machine: checks + benchmark tables (carry build/vllm-kernels)
     python benchmarks/gpu_hybrid_oracle.py --vllm-src build/vllm-kernels
-    # CPU: tiny sizes under Triton's interpreter, ~1-2 min
+    # CPU: tiny sizes under Triton's interpreter (~100 s on 2 busy cores)
     TRITON_INTERPRET=1 python benchmarks/gpu_hybrid_oracle.py --smoke --vllm-src build/vllm-kernels
+
+The bundle (~130 KiB: the four kernel files, vLLM's ``_version.py``, the tuned
+``selective_state_update`` configs packed into one JSON file) lives under ``build/`` (ignored by
+git); carry ``build/vllm-kernels`` to the GPU machine.
 
 1. Correctness, per node, on batches of random draft trees (several requests, budgets B in
    7..64, depth <= 16, shapes random / star / spine / binary / bushy, state slots shuffled,
@@ -166,6 +171,7 @@ class _CudaPlatform:
     """
 
     device_type = "cuda"
+    allow_pdl = True  # ``--no-pdl`` clears it (an older Triton without gdc_wait)
 
     def is_cpu(self) -> bool:
         return False
@@ -183,7 +189,8 @@ class _CudaPlatform:
         return torch.cuda.is_available()
 
     def is_arch_support_pdl(self) -> bool:
-        if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        if (not self.allow_pdl or os.environ.get("TRITON_INTERPRET") == "1"
+                or not torch.cuda.is_available()):
             return False
         return torch.cuda.get_device_capability()[0] >= 9
 
@@ -291,6 +298,17 @@ def load_vllm_kernels(root: Path, stubs: bool) -> SimpleNamespace:
     missing = [rel for rel in KERNEL_FILES.values() if not (root / rel).is_file()]
     if missing:
         raise SystemExit(f"{root}: missing {missing}")
+    if not stubs:
+        try:
+            from vllm.triton_utils import HAS_TRITON
+        except Exception:  # noqa: BLE001 - any import failure means: do not use it
+            HAS_TRITON = False
+        if not HAS_TRITON:  # a CPU build: its triton_utils hands out placeholders
+            print("note: the installed vLLM has no usable Triton (a CPU build): running its "
+                  "kernel files with the stubbed helpers")
+            for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+                del sys.modules[name]
+            stubs = True
     if stubs:
         install_vllm_stubs()
         _unpack_ssu_configs(root)
@@ -309,6 +327,7 @@ def load_vllm_kernels(root: Path, stubs: bool) -> SimpleNamespace:
         conv_update=mods["causal_conv1d"].causal_conv1d_update,
         ssu=mods["mamba_ssm"].selective_state_update,
         origin=f"{root} ({'stubbed vllm helpers' if stubs else 'installed vllm'}; vllm {version})",
+        stubs=stubs,
     )
 
 
@@ -736,10 +755,10 @@ def correctness(k, device: str, smoke: bool) -> Checker:
 
 # Qwen3.6-27B text config: linear_num_key_heads 16, linear_num_value_heads 48,
 # linear_key_head_dim 128, linear_value_head_dim 128, linear_conv_kernel_dim 4 (48 of its 64
-# layers are GatedDeltaNet; mamba_ssm_dtype float32).
+# layers are GatedDeltaNet; mamba_ssm_dtype float32). Sources: docs/hybrid_state_memory.md.
 QWEN36_27B_GDN = dict(H=16, HV=48, K=128, V=128, W=4)
 # Nemotron-H-8B: mamba_num_heads 128, mamba_head_dim 64, ssm_state_size 128, n_groups 8,
-# conv_kernel 4 (24 Mamba2 layers of 52).
+# conv_kernel 4 (24 Mamba2 layers of 52). Sources: docs/hybrid_state_memory.md.
 NEMOTRON_H_8B_MAMBA2 = dict(H=128, P=64, N=128, G=8, W=4)
 
 
@@ -801,8 +820,8 @@ def benchmark(k, device: str, smoke: bool, args) -> str:
         iters, repeats = args.iters, args.repeats
     dev = device
     mdims = (mam["H"], mam["P"], mam["N"], mam["G"])
-    conv_dims = {"GDN conv (Qwen3.6-27B)": gdn["K"] * gdn["H"] * 2 + gdn["V"] * gdn["HV"],
-                 "Mamba2 conv (Nemotron-H-8B)": mam["H"] * mam["P"] + 2 * mam["G"] * mam["N"]}
+    conv_dims = {"GDN conv": gdn["K"] * gdn["H"] * 2 + gdn["V"] * gdn["HV"],
+                 "Mamba2 conv": mam["H"] * mam["P"] + 2 * mam["G"] * mam["N"]}
     W = gdn["W"]
     rows = []
 
@@ -872,7 +891,7 @@ def benchmark(k, device: str, smoke: bool, args) -> str:
                           use_qk_l2norm_in_kernel=True)
 
             t = time_call(gdn_tree, dev, iters, repeats)
-            rows.append(("GDN (Qwen3.6-27B)", batch, budget, nlev, t, chain["gdn"], f"{nlev}"))
+            rows.append(("GDN", batch, budget, nlev, t, chain["gdn"], f"{nlev}"))
             del tstate, tg
 
             tm = _mamba_inputs(rnd, T, mdims, act, dev, prob.num_slots, sdt)
@@ -888,10 +907,10 @@ def benchmark(k, device: str, smoke: bool, args) -> str:
                     _ssu(k, tm.init, tm, p["sl"], p["src1"], p["dst1"], o)
 
             t = time_call(mamba_tree_copy, dev, iters, repeats)
-            rows.append(("Mamba2 copy+in-place (Nemotron-H-8B)", batch, budget, nlev, t,
+            rows.append(("Mamba2 copy+in-place", batch, budget, nlev, t,
                          chain["mamba"], f"{nlev} + {2 * nlev} torch"))
             t = time_call(mamba_tree_srcdst, dev, iters, repeats)
-            rows.append(("Mamba2 src/dst (Nemotron-H-8B)", batch, budget, nlev, t,
+            rows.append(("Mamba2 src/dst", batch, budget, nlev, t,
                          chain["mamba"], f"{nlev}"))
             del tm, outs
 
@@ -917,7 +936,8 @@ def benchmark(k, device: str, smoke: bool, args) -> str:
         f"per request in one call (vLLM's speculative layout); tree = B + 1 nodes per request, "
         f"one launch per depth level; ms per call ({'CUDA events' if device == 'cuda' else 'wall'}, "
         f"median of {repeats} x {iters}).",
-        f"GDN layer {gdn}; Mamba2 layer {mam}; conv dims {conv_dims}.",
+        f"GDN layer{'' if smoke else ' (Qwen3.6-27B)'} {gdn}; Mamba2 layer"
+        f"{'' if smoke else ' (Nemotron-H-8B)'} {mam}; conv dims {conv_dims}.",
         "launches: Triton kernels (+ torch index/copy ops) per call; the chain is 1 kernel.",
         "",
         "| layer | batch | B | levels | tree ms | chain ms | tree / chain | launches (tree) |",
@@ -945,6 +965,9 @@ def main(argv=None) -> int:
     p.add_argument("--skip-bench", action="store_true")
     p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="recurrent state dtype of the benchmark")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="launch the conv kernel without programmatic dependent launch (stubbed "
+                        "platform only; for a Triton too old for tl.extra.cuda.gdc_wait)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=Path, default=None, help="also write the table here")
@@ -968,10 +991,10 @@ def main(argv=None) -> int:
         return 2
     import triton
 
-    root, stubs = find_vllm_src(args.vllm_src)
-    k = load_vllm_kernels(root, stubs)
+    _CudaPlatform.allow_pdl = not args.no_pdl
+    k = load_vllm_kernels(*find_vllm_src(args.vllm_src))
     print(f"torch {torch.__version__}, triton {triton.__version__}; kernels from {k.origin}")
-    if stubs:  # stand-ins have no import spec; a module vLLM's importer loaded would
+    if k.stubs:  # stand-ins have no import spec; a module vLLM's importer loaded would
         real = [m for m in sys.modules if (m == "vllm" or m.startswith("vllm."))
                 and sys.modules[m].__spec__ is not None]
         assert not real, f"real vLLM modules were imported: {real}"
