@@ -25,7 +25,7 @@ Run from the repository root::
     python benchmarks/gpu_hybrid_oracle.py --bundle build/vllm-kernels
     # GPU machine: checks + benchmark tables (carry build/vllm-kernels)
     python benchmarks/gpu_hybrid_oracle.py --vllm-src build/vllm-kernels
-    # CPU: tiny sizes under Triton's interpreter (~100 s on 2 busy cores)
+    # CPU: tiny sizes under Triton's interpreter (65-140 s on 2 busy cores)
     TRITON_INTERPRET=1 python benchmarks/gpu_hybrid_oracle.py --smoke --vllm-src build/vllm-kernels
 
 The bundle (~130 KiB: the four kernel files, vLLM's ``_version.py``, the tuned
