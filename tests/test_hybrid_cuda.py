@@ -5,10 +5,12 @@ No GPU here: the Triton kernels run under Triton's interpreter on CPU tensors.
 * GatedDeltaNet: :mod:`vllm_ddtree.hybrid.gdn_cuda` per node against the fp32 references
   (``tests/support/gdn_cuda_check.py``, a subprocess: the interpreter is chosen before Triton
   loads).
-* Mamba2: whole V2 engines (``tests.support.v2_run`` with ``cuda_recurrent``: the mixer's conv is
-  vLLM's Triton op and the SSU backend vLLM's Triton one) equal target-only decoding through the
-  same kernels, with drafts that leave the top-1 spine; the power check without the recurrent
-  re-layout must differ.
+* Whole V2 engines (``tests.support.v2_run`` with ``cuda_recurrent``): a Qwen3-Next-like target
+  (GDN ``forward_cuda``) and a Nemotron-H-like one (the mixer's Triton conv and Triton SSU
+  backend) equal target-only decoding through the same kernels, with drafts that leave the
+  top-1 spine; the power checks without the recurrent re-layout must differ. fp32: Triton's
+  interpreter corrupts bf16 values in vLLM's conv kernel. Node budgets 7 … 32 (trees of fewer
+  and more rows than the drafter horizon) and preemption are slow-marked.
 * The guards: vLLM's fused GDN MTP op is never chosen during a DDTree step, and hybrid DDTree
   engines on CUDA run piecewise CUDA graphs.
 """
@@ -86,28 +88,32 @@ ENGINE = {"max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 256
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
 
 
-def _target(name, target):
+def _target(name, target, sampling=GREEDY, **extra):
     return {"name": name, "target": str(target), "prompts": PROMPTS, "dtype": "float32",
-            "sampling": GREEDY, **ENGINE}
+            "sampling": sampling, **ENGINE, **extra}
 
 
-def _ddtree(name, target, drafter, budget, **extra):
-    return {**_target(name, target),
+def _ddtree(name, target, drafter, budget, ref="ref", sampling=GREEDY, **extra):
+    return {**_target(name, target, sampling, **extra),
             "speculative_config": {"method": "ddtree", "model": str(drafter),
                                    "ddtree_budget": budget},
-            "oracle": {"from": "ref", "sidestep": 3}, **extra}
+            "oracle": {"from": ref, "sidestep": 3}}
+
+
+def _runs(configs: list[dict]) -> dict:
+    t0 = time.perf_counter()
+    out = {c["name"]: c for c in
+           run_v2({"cuda_recurrent": True, "configs": configs}, timeout=3000)["configs"]}
+    print(f"\nCUDA-path runs: {time.perf_counter() - t0:.0f} s; " + ", ".join(
+        f"{n} ({c['build_s']}, {c['generate_s']})" for n, c in out.items()))
+    return out
 
 
 @pytest.fixture(scope="module")
 def mamba2_cuda_runs(nemotron_h_pair) -> dict:
     t, d = nemotron_h_pair
-    configs = [_target("ref", t), _ddtree("B7", t, d, 7), _ddtree("B16", t, d, 16),
-               _ddtree("B16-no-relayout", t, d, 16, disable=["recurrent_relayout"])]
-    t0 = time.perf_counter()
-    out = {c["name"]: c for c in
-           run_v2({"cuda_recurrent": True, "configs": configs}, timeout=1800)["configs"]}
-    print(f"\nMamba2 CUDA-path runs: {time.perf_counter() - t0:.0f} s")
-    return out
+    return _runs([_target("ref", t), _ddtree("B7", t, d, 7), _ddtree("B16", t, d, 16),
+                  _ddtree("B16-no-relayout", t, d, 16, disable=["recurrent_relayout"])])
 
 
 def _ok(r: dict) -> dict:
@@ -116,17 +122,64 @@ def _ok(r: dict) -> dict:
     return r
 
 
+def _equal_with_deep_paths(runs: dict, name: str, ref: str = "ref") -> None:
+    """Equal to target-only, with accepted paths of two or more drafts (off the spine)."""
+    want, got = _ok(runs[ref]), _ok(runs[name])
+    assert got["token_ids"] == want["token_ids"]
+    per_pos = got["spec"]["accepted_per_pos"]
+    assert len(per_pos) > 1 and per_pos[1] > 0, got["spec"]
+
+
 @pytest.mark.parametrize("name", ["B7", "B16"])
 def test_mamba2_cuda_path_equals_target_only(mamba2_cuda_runs, name):
     """Greedy DDTree on a Nemotron-H-like target through vLLM's Triton conv and SSU kernels
-    equals target-only through the same kernels; accepted paths of two or more drafts."""
-    ref, got = _ok(mamba2_cuda_runs["ref"]), _ok(mamba2_cuda_runs[name])
-    assert got["token_ids"] == ref["token_ids"]
-    per_pos = got["spec"]["accepted_per_pos"]
-    assert len(per_pos) > 1 and per_pos[1] > 0, got["spec"]
+    equals target-only through the same kernels."""
+    _equal_with_deep_paths(mamba2_cuda_runs, name)
 
 
 def test_mamba2_cuda_path_power_check_without_relayout(mamba2_cuda_runs):
     """Without the recurrent re-layout after verification the same run leaves target-only."""
     got = _ok(mamba2_cuda_runs["B16-no-relayout"])
     assert got["token_ids"] != mamba2_cuda_runs["ref"]["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def gdn_cuda_runs(qwen3_next_target, qwen3_next_dflash_drafter) -> dict:
+    t, d = qwen3_next_target, qwen3_next_dflash_drafter
+    short = {**GREEDY, "max_tokens": 8}
+    return _runs([_target("ref", t, short), _ddtree("B9", t, d, 9, sampling=short)])
+
+
+def test_gdn_cuda_path_equals_target_only(gdn_cuda_runs):
+    """Greedy DDTree on a Qwen3-Next-like target through GDN's forward_cuda (vLLM's Triton conv
+    and fused GDN update; 9 nodes, fewer than the drafter horizon) equals target-only."""
+    _equal_with_deep_paths(gdn_cuda_runs, "B9")
+
+
+@pytest.mark.slow
+def test_cuda_path_budgets_power_checks_and_preemption(nemotron_h_pair, qwen3_next_target,
+                                                       qwen3_next_dflash_drafter):
+    """Both layer kinds at node budgets 7, 8, 9, 16, 32 (trees of at most 8 rows and deeper
+    ones); GDN without the re-layout must differ; Mamba2 with a KV cache too small for the
+    batch (vLLM preempts and recomputes mid-tree-decoding) stays equal."""
+    qt, qd = qwen3_next_target, qwen3_next_dflash_drafter
+    nt, nd = nemotron_h_pair
+    long_greedy = {**GREEDY, "max_tokens": 40}
+    small = {"block_size": 32, "num_gpu_blocks_override": 14, "max_num_seqs": 4}
+    four = ["def main():\n", "import os\n", "class A:\n", "x = 1\n"]
+    configs = [_target("q-ref", qt)] + [
+        _ddtree(f"q-B{b}", qt, qd, b, "q-ref") for b in (7, 8, 16, 32)] + [
+        _ddtree("q-B16-no-relayout", qt, qd, 16, "q-ref", disable=["recurrent_relayout"]),
+        _target("n-ref", nt)] + [_ddtree(f"n-B{b}", nt, nd, b, "n-ref") for b in (8, 9, 32)] + [
+        {**_target("n-ref-small", nt, long_greedy, **small), "prompts": four},
+        {**_ddtree("n-B16-small", nt, nd, 16, "n-ref-small", long_greedy, **small),
+         "prompts": four}]
+    out = _runs(configs)
+    for b in (7, 8, 16, 32):
+        _equal_with_deep_paths(out, f"q-B{b}", "q-ref")
+    for b in (8, 9, 32):
+        _equal_with_deep_paths(out, f"n-B{b}", "n-ref")
+    assert _ok(out["q-B16-no-relayout"])["token_ids"] != out["q-ref"]["token_ids"]
+    got = _ok(out["n-B16-small"])
+    assert got["token_ids"] == _ok(out["n-ref-small"])["token_ids"]
+    assert got["spec"]["num_preemptions"] > 0, "the KV cache did not force preemption"
