@@ -79,7 +79,6 @@ import logging
 import os
 import re
 import shutil
-import statistics
 import sys
 import time
 import types
@@ -90,6 +89,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from gpu_timing import time_call  # noqa: E402  (benchmarks/, the script's folder)
 
 from vllm_ddtree.hybrid.oracle import (  # noqa: E402
     RecurrentTreeLayout,
@@ -760,29 +760,6 @@ QWEN36_27B_GDN = dict(H=16, HV=48, K=128, V=128, W=4)
 # Nemotron-H-8B: mamba_num_heads 128, mamba_head_dim 64, ssm_state_size 128, n_groups 8,
 # conv_kernel 4 (24 Mamba2 layers of 52). Sources: docs/hybrid_state_memory.md.
 NEMOTRON_H_8B_MAMBA2 = dict(H=128, P=64, N=128, G=8, W=4)
-
-
-def time_call(fn, device: str, iters: int, repeats: int) -> float:
-    """Median milliseconds per call."""
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end) / iters)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            samples.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(samples)
 
 
 def _level_plan(prob, dev):

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from gpu_timing import time_call  # noqa: E402  (benchmarks/, the script's folder)
 
 from vllm_ddtree.attention.triton_tree import (  # noqa: E402
     HAS_TRITON,
@@ -196,29 +195,6 @@ def correctness(device: str, smoke: bool) -> list[str]:
 
 
 # --------------------------------------------------------------------------- benchmark
-
-
-def time_call(fn, device: str, iters: int, repeats: int) -> float:
-    """Median milliseconds per call."""
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end) / iters)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            samples.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(samples)
 
 
 def benchmark(device: str, smoke: bool, args) -> str:
