@@ -159,9 +159,8 @@ class DDTreeProposer(DFlashProposer):
             DDTreeConfigError: a recurrent layer the tree oracle cannot run exactly
                 (:func:`vllm_ddtree.hybrid.guard.check_recurrent_layers`).
         """
-        from vllm_ddtree.integration import platform_name
-
         from vllm_ddtree.hybrid.guard import check_recurrent_layers
+        from vllm_ddtree.integration import platform_name
 
         kinds = check_recurrent_layers(target_model, self.ddtree.hybrid,
                                        platform=platform_name())

@@ -132,9 +132,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         Raises:
             DDTreeConfigError: a recurrent layer (:func:`vllm_ddtree.hybrid.guard.check_recurrent_layers`).
         """
-        from vllm_ddtree.integration import platform_name
-
         from vllm_ddtree.hybrid.guard import check_recurrent_layers
+        from vllm_ddtree.integration import platform_name
 
         check_recurrent_layers(target_model, self.ddtree.hybrid, platform=platform_name())
         super().load_model(target_model)
