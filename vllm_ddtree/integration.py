@@ -220,6 +220,13 @@ REGISTER: list[Change] = [
        "Tree verification instead of vLLM's rejection sampler, then KV compaction, the drafter "
        "context of the accepted path and the recurrent-state re-layout.",
        both("(self, logits, spec_decode_metadata)"), _P),
+    _c(f"{_RUNNER}:GPUModelRunner._bookkeeping_sync", "patch",
+       "A seeded request's sample discarded during a chunked prefill is undone by restoring "
+       "its CPU generator's state (saved in _prepare_inputs): vLLM rewinds it with "
+       "Generator.set_offset, which a CPU generator refuses (RuntimeError 'CPU Generator does "
+       "not use offset' kills the engine).",
+       both("(self, scheduler_output, sampler_output, logits, hidden_states, "
+            "num_scheduled_tokens)"), _P, _CPU),
     # ---- patches: hybrid, CPU kernels
     _c(f"{_CPU_GDN}:_spec_forward", "patch",
        "GatedDeltaNet speculative rows run as the sequential tree oracle (every node from its "
@@ -599,12 +606,18 @@ REGISTER: list[Change] = [
     *_attrs(f"{_RUNNER}:GPUModelRunner",
             "drafter input_batch requests query_start_loc positions device sampler "
             "optimistic_seq_lens_cpu effective_drafter_max_model_len "
-            "use_aux_hidden_state_outputs",
+            "use_aux_hidden_state_outputs discard_request_mask",
             "Read by the runner patches: the batch layout, the positions buffer the model "
             "reads (tree depths written in place), the drafter and its length limit, the sampler.",
             _P),
     *_attrs(f"{_BATCH}:InputBatch", "req_ids num_reqs num_computed_tokens_cpu sampling_metadata",
             "The step's requests, their committed lengths and sampling state.", _P),
+    *_attrs(f"{_BATCH}:InputBatch", "generators",
+            "Seeded requests' generators (batch index -> torch.Generator): the states of those "
+            "whose sample this step discards are saved and restored on CPU.", _P, _CPU),
+    *_attrs("vllm.v1.utils:CpuGpuBuffer", "np",
+            "The host view of the runner's discard_request_mask (partial prefills this step).",
+            _P, _CPU),
     *_attrs(f"{_BATCH}:CachedRequestState", "sampling_params output_token_ids",
             "Per-request min-p and the tokens the shadow_linear measurement walks.", _PR),
     *_attrs("vllm.v1.core.sched.output:SchedulerOutput",

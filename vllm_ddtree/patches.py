@@ -20,6 +20,9 @@ Worker (V1 model runner, ``vllm/v1/worker/gpu_model_runner.py``; the CPU runner 
     capture slot mappings and tapped hidden states.
   * ``GPUModelRunner._sample``: tree verification, KV compaction (CPU: from the recorded K/V;
     CUDA: inside each cache), drafter-context gather.
+  * ``GPUModelRunner._bookkeeping_sync`` (CPU): a seeded request's draw discarded during a
+    chunked prefill is undone by restoring its generator's saved state, where vLLM's offset
+    rewind would raise on a CPU generator and kill the engine.
   * ``EngineArgs.create_engine_config``: the tree-attention backend (``TRITON_ATTN`` on CUDA) is
     selected, a user-named other one refused (:mod:`vllm_ddtree.attention.selection`).
   * ``VllmConfig._validate_v1_model_runner``: on Model Runner V1, refuse a drafter only V2 can
@@ -444,6 +447,11 @@ def _prepare_inputs(original: Callable) -> Callable:
         for req_id in scheduler_output.scheduled_spec_decode_tokens:
             trees.pop(req_id, None)  # a tree is verified at most once
         self.drafter.forget(set(self.requests))
+        from vllm_ddtree.runners.v1 import save_discarded_generators
+
+        # Before this step samples anything.
+        state.discarded_generators = save_discarded_generators(
+            self.input_batch.generators, self.discard_request_mask.np[:num_reqs])
         return result
 
     return _prepare_inputs
@@ -557,6 +565,26 @@ def _sample(original: Callable) -> Callable:
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
 
     return _sample
+
+
+@patch(_RUNNER, "GPUModelRunner._bookkeeping_sync", cpu_only=True)
+def _bookkeeping_sync(original: Callable) -> Callable:
+    def _bookkeeping_sync(self, *args, **kwargs):
+        state = engine_state(self)
+        saved = {} if state is None else state.discarded_generators
+        if not saved:
+            return original(self, *args, **kwargs)
+        state.discarded_generators = {}
+        generators = self.input_batch.generators
+        for i, (gen, gen_state) in saved.items():
+            gen.set_state(gen_state)  # the discarded draw undone
+            generators.pop(i)  # hidden from vLLM's offset rewind, which CPU generators refuse
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            generators.update({i: gen for i, (gen, _) in saved.items()})
+
+    return _bookkeeping_sync
 
 
 # --------------------------------------------------------------------------- hybrid targets
