@@ -119,6 +119,7 @@ CHANGE_PATTERNS = {
     # module globals: ``torch.x.y = …`` / ``some_module.Name = …`` (lower-case owner, not self)
     "global swap": re.compile(r"^\s*(?!self\.)(torch|vllm|[a-z_]*module)\.[\w.]+\s*=[^=]"),
     "patch": re.compile(r"\bsetattr\("),
+    "distribution alias": re.compile(r"\bsys\.meta_path\.(insert|append|extend)\("),
 }
 
 

