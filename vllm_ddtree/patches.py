@@ -10,6 +10,9 @@ Front end (process that builds the config / accepts requests):
     config + ``additional_config["ddtree"]`` (:func:`vllm_ddtree.config.translate_speculative_config`).
   * ``InputProcessor._validate_params``: refuse sampling options DDTree cannot honour exactly;
     let min-p through (vLLM refuses it for chain speculative decoding only).
+  * ``Scheduler.make_spec_decoding_stats`` (engine core) and ``PrometheusStatLogger.__init__``:
+    spec-decode counters per tree depth, sized by the drafter horizon L
+    (:mod:`vllm_ddtree.metrics`).
 Worker (V1 model runner, ``vllm/v1/worker/gpu_model_runner.py``; the CPU runner subclasses it):
   * ``GPUModelRunner.__init__``: build :class:`~vllm_ddtree.proposer.DDTreeProposer` where vLLM
     builds ``DFlashProposer`` (a subclass, so vLLM's ``isinstance`` checks hold).
@@ -359,6 +362,47 @@ def _validate_params(original: Callable) -> Callable:
         return original(self, params, *args, **kwargs)
 
     return _validate_params
+
+
+@patch("vllm.v1.core.sched.scheduler", "Scheduler.make_spec_decoding_stats")
+def _make_spec_decoding_stats(original: Callable) -> Callable:
+    def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens,
+                                 num_accepted_tokens, num_invalid_spec_tokens, request_id):
+        ddtree = get_ddtree_config(self.vllm_config)
+        if ddtree is None:
+            return original(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
+                            num_invalid_spec_tokens, request_id)
+        if not self.log_stats or not num_draft_tokens:
+            # vLLM returns None here, dropping what earlier requests of the step recorded.
+            return spec_decoding_stats
+        from vllm_ddtree.metrics import observe_tree
+
+        # Per-depth counters sized by L, not vLLM's max(B, L) slots (structured outputs, the
+        # only source of invalid drafts, are refused for DDTree).
+        return observe_tree(spec_decoding_stats, ddtree.drafter_horizon, num_draft_tokens,
+                            num_accepted_tokens)
+
+    return make_spec_decoding_stats
+
+
+@patch("vllm.v1.metrics.loggers", "PrometheusStatLogger.__init__")
+def _prometheus_stat_logger_init(original: Callable) -> Callable:
+    def __init__(self, vllm_config, engine_indexes=None):
+        ddtree = get_ddtree_config(vllm_config)
+        if ddtree is not None:
+            from vllm_ddtree.metrics import HorizonView
+
+            base = type(self)._spec_decoding_cls
+
+            def per_depth(speculative_config, *args, **kwargs):
+                return base(HorizonView(speculative_config, ddtree.drafter_horizon),
+                            *args, **kwargs)
+
+            # This logger only: vLLM's per-position counters, one per tree depth 1..L.
+            self._spec_decoding_cls = per_depth
+        original(self, vllm_config, engine_indexes)
+
+    return __init__
 
 
 # --------------------------------------------------------------------------- worker
