@@ -44,6 +44,9 @@ logger = logging.getLogger("vllm.ddtree")
 LABELS = ["model_name", "engine"]
 
 
+_WARNED: list[bool] = []
+
+
 def observe_tree(
     stats: SpecDecodingStats | None, horizon: int, num_nodes: int, accepted_depth: int,
 ) -> SpecDecodingStats:
@@ -61,17 +64,20 @@ def observe_tree(
         ``num_draft_tokens_per_pos[d]`` + 1 for ``d < min(nodes, L)`` (depths the tree can
         reach).
 
-    Raises:
-        ValueError: ``accepted_depth`` outside ``0..L`` (a path deeper than the horizon).
+    A path deeper than L cannot come from a tree; should one be reported, only its first L
+    depths are counted per depth (this runs in the engine's scheduler, where an exception
+    would stop the engine), and it is logged once.
     """
-    if not 0 <= accepted_depth <= horizon:
-        raise ValueError(f"accepted depth {accepted_depth} outside 0..L={horizon}")
+    if accepted_depth > horizon and not _WARNED:
+        _WARNED.append(True)
+        logger.warning("DDTree metrics: accepted depth %d exceeds the drafter horizon L=%d; "
+                       "per-depth counters count its first L depths", accepted_depth, horizon)
     if stats is None:
         stats = SpecDecodingStats.new(horizon)
     stats.num_drafts += 1
     stats.num_draft_tokens += num_nodes
     stats.num_accepted_tokens += accepted_depth
-    for d in range(accepted_depth):
+    for d in range(min(accepted_depth, horizon)):
         stats.num_accepted_tokens_per_pos[d] += 1
     for d in range(min(num_nodes, horizon)):
         stats.num_draft_tokens_per_pos[d] += 1
