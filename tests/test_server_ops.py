@@ -156,3 +156,6 @@ def test_tau_from_metrics_equals_offline_counters(server):
     assert after[("vllm:ddtree_drafter_horizon", "")] == HORIZON
     assert re.search(r"DDTree metrics \(engine 0\): mean acceptance length τ \d+\.\d\d",
                      server.log())
+    # vLLM's own periodic line: one rate per tree depth (the scheduler's stats sized by L).
+    rates = re.findall(r"Per-position acceptance rate: ([\d., ]+?), Avg", server.log())
+    assert rates and {len(r.split(", ")) for r in rates} == {HORIZON}, rates[-1:]
