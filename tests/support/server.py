@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+#: The checkout's root.
+ROOT_DIR = Path(__file__).resolve().parents[2]
+
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
