@@ -276,6 +276,18 @@ def test_unsupported_sampling_is_refused(kw, name):
     assert isinstance(e.value, ValueError)
 
 
+def test_prompt_logprobs_refusal_names_echo():
+    """The completions API sets prompt_logprobs for `echo` with `logprobs`; the error must say
+    so, not only name an option the user never set."""
+    from vllm import SamplingParams
+
+    from vllm_ddtree.verify import DDTreeRequestError, validate_sampling_params
+
+    with pytest.raises(DDTreeRequestError, match="prompt_logprobs") as e:
+        validate_sampling_params(SamplingParams(max_tokens=8, prompt_logprobs=1))
+    assert "`echo` together with `logprobs`" in str(e.value)
+
+
 def test_llm_refuses_unsupported_request(qwen3_target, dflash_drafter):
     from vllm import SamplingParams
 

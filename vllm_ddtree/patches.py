@@ -10,6 +10,9 @@ Front end (process that builds the config / accepts requests):
     config + ``additional_config["ddtree"]`` (:func:`vllm_ddtree.config.translate_speculative_config`).
   * ``InputProcessor._validate_params``: refuse sampling options DDTree cannot honour exactly;
     let min-p through (vLLM refuses it for chain speculative decoding only).
+  * ``Scheduler.make_spec_decoding_stats`` (engine core) and ``PrometheusStatLogger.__init__``:
+    spec-decode counters per tree depth, sized by the drafter horizon L
+    (:mod:`vllm_ddtree.metrics`).
 Worker (V1 model runner, ``vllm/v1/worker/gpu_model_runner.py``; the CPU runner subclasses it):
   * ``GPUModelRunner.__init__``: build :class:`~vllm_ddtree.proposer.DDTreeProposer` where vLLM
     builds ``DFlashProposer`` (a subclass, so vLLM's ``isinstance`` checks hold).
@@ -20,6 +23,9 @@ Worker (V1 model runner, ``vllm/v1/worker/gpu_model_runner.py``; the CPU runner 
     capture slot mappings and tapped hidden states.
   * ``GPUModelRunner._sample``: tree verification, KV compaction (CPU: from the recorded K/V;
     CUDA: inside each cache), drafter-context gather.
+  * ``GPUModelRunner._bookkeeping_sync`` (CPU): a seeded request's draw discarded during a
+    chunked prefill is undone by restoring its generator's saved state, where vLLM's offset
+    rewind would raise on a CPU generator and kill the engine.
   * ``EngineArgs.create_engine_config``: the tree-attention backend (``TRITON_ATTN`` on CUDA) is
     selected, a user-named other one refused (:mod:`vllm_ddtree.attention.selection`).
   * ``VllmConfig._validate_v1_model_runner``: on Model Runner V1, refuse a drafter only V2 can
@@ -358,6 +364,47 @@ def _validate_params(original: Callable) -> Callable:
     return _validate_params
 
 
+@patch("vllm.v1.core.sched.scheduler", "Scheduler.make_spec_decoding_stats")
+def _make_spec_decoding_stats(original: Callable) -> Callable:
+    def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens,
+                                 num_accepted_tokens, num_invalid_spec_tokens, request_id):
+        ddtree = get_ddtree_config(self.vllm_config)
+        if ddtree is None:
+            return original(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
+                            num_invalid_spec_tokens, request_id)
+        if not self.log_stats or not num_draft_tokens:
+            # vLLM returns None here, dropping what earlier requests of the step recorded.
+            return spec_decoding_stats
+        from vllm_ddtree.metrics import observe_tree
+
+        # Per-depth counters sized by L, not vLLM's max(B, L) slots (structured outputs, the
+        # only source of invalid drafts, are refused for DDTree).
+        return observe_tree(spec_decoding_stats, ddtree.drafter_horizon, num_draft_tokens,
+                            num_accepted_tokens)
+
+    return make_spec_decoding_stats
+
+
+@patch("vllm.v1.metrics.loggers", "PrometheusStatLogger.__init__")
+def _prometheus_stat_logger_init(original: Callable) -> Callable:
+    def __init__(self, vllm_config, engine_indexes=None):
+        ddtree = get_ddtree_config(vllm_config)
+        if ddtree is not None:
+            from vllm_ddtree.metrics import HorizonView
+
+            base = type(self)._spec_decoding_cls
+
+            def per_depth(speculative_config, *args, **kwargs):
+                return base(HorizonView(speculative_config, ddtree.drafter_horizon),
+                            *args, **kwargs)
+
+            # This logger only: vLLM's per-position counters, one per tree depth 1..L.
+            self._spec_decoding_cls = per_depth
+        original(self, vllm_config, engine_indexes)
+
+    return __init__
+
+
 # --------------------------------------------------------------------------- worker
 
 
@@ -448,6 +495,11 @@ def _prepare_inputs(original: Callable) -> Callable:
         for req_id in scheduler_output.scheduled_spec_decode_tokens:
             trees.pop(req_id, None)  # a tree is verified at most once
         self.drafter.forget(set(self.requests))
+        from vllm_ddtree.runners.v1 import save_discarded_generators
+
+        # Before this step samples anything.
+        state.discarded_generators = save_discarded_generators(
+            self.input_batch.generators, self.discard_request_mask.np[:num_reqs])
         return result
 
     return _prepare_inputs
@@ -561,6 +613,26 @@ def _sample(original: Callable) -> Callable:
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
 
     return _sample
+
+
+@patch(_RUNNER, "GPUModelRunner._bookkeeping_sync", cpu_only=True)
+def _bookkeeping_sync(original: Callable) -> Callable:
+    def _bookkeeping_sync(self, *args, **kwargs):
+        state = engine_state(self)
+        saved = {} if state is None else state.discarded_generators
+        if not saved:
+            return original(self, *args, **kwargs)
+        state.discarded_generators = {}
+        generators = self.input_batch.generators
+        for i, (gen, gen_state) in saved.items():
+            gen.set_state(gen_state)  # the discarded draw undone
+            generators.pop(i)  # hidden from vLLM's offset rewind, which CPU generators refuse
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            generators.update({i: gen for i, (gen, _) in saved.items()})
+
+    return _bookkeeping_sync
 
 
 # --------------------------------------------------------------------------- hybrid targets

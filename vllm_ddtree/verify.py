@@ -219,7 +219,8 @@ def validate_sampling_params(params: Any) -> None:
     Raises:
         DDTreeRequestError: any option in ``_UNSUPPORTED_SAMPLING`` set (their logits
             processing keeps per-batch-row state that tree node rows do not have, or structured
-            outputs filter drafts as a chain); the message names the option. Temperature,
+            outputs filter drafts as a chain); the message names the option (and, for
+            ``prompt_logprobs``, the ``echo`` + ``logprobs`` request that sets it). Temperature,
             top-k, top-p, min-p, seeds and logprobs are supported exactly.
     """
     for name, unused in _UNSUPPORTED_SAMPLING.items():
@@ -227,9 +228,21 @@ def validate_sampling_params(params: Any) -> None:
         if value is None or value == unused or value in ([], {}):
             continue
         raise DDTreeRequestError(
-            f"speculative method 'ddtree' does not support SamplingParams.{name}={value!r} yet",
+            f"speculative method 'ddtree' does not support SamplingParams.{name}={value!r} yet"
+            + _HOW_SET.get(name, ""),
             **_where(name, value),
         )
+
+
+#: How a client sets an option without naming it: vLLM's completions API turns ``echo`` with
+#: ``logprobs`` into ``prompt_logprobs`` (``CompletionRequest.to_sampling_params``), so an error
+#: naming only ``prompt_logprobs`` would point at an option the user never set.
+_HOW_SET: dict[str, str] = {
+    "prompt_logprobs": (
+        " (log-probabilities of the prompt's tokens: in the OpenAI completions API a request "
+        "with `echo` together with `logprobs` asks for them, as does `prompt_logprobs`; drop "
+        "`echo` or `logprobs` to get the completion's logprobs)"),
+}
 
 
 def _where(parameter: str, value: Any) -> dict[str, Any]:

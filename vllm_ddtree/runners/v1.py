@@ -7,8 +7,10 @@ step here, as ``runner._ddtree``; a runner of an engine without DDTree has ``Non
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.step import TreeStep
@@ -29,6 +31,9 @@ class V1EngineState:
             (found on the first tree step).
         committed_max: the longest committed length after this step's verification, for the
             drafter's ``max_model_len`` check (``None``: no step verified since).
+        discarded_generators: CPU: ``batch index -> (generator, state)`` of the seeded requests
+            whose sample this step discards (a prefill chunk that is not the last), saved before
+            sampling and restored in ``_bookkeeping_sync`` (see :func:`save_discarded_generators`).
     """
 
     config: DDTreeConfig
@@ -39,8 +44,32 @@ class V1EngineState:
     hybrid_done: bool = False
     cache_layers: dict[str, tuple[Any, Any]] | None = None
     committed_max: int | None = None
+    discarded_generators: dict[int, tuple[torch.Generator, torch.Tensor]] = field(
+        default_factory=dict)
 
 
 def engine_state(runner: Any) -> V1EngineState | None:
     """The runner's :class:`V1EngineState`, or ``None`` (not a DDTree engine)."""
     return getattr(runner, "_ddtree", None)
+
+
+def save_discarded_generators(
+    generators: dict[int, torch.Generator], discard: Any,
+) -> dict[int, tuple[torch.Generator, torch.Tensor]]:
+    """The state of every CPU generator whose request's sample this step discards.
+
+    vLLM samples every request, also one whose prefill chunk is not its last, and then undoes
+    that draw by moving the generator's Philox offset back (``_bookkeeping_sync``); a CPU
+    generator (Mersenne Twister) has no offset and raises. Its whole state, saved here before
+    sampling and restored afterwards, undoes the draw exactly, whatever the draw consumed.
+
+    Args:
+        generators: vLLM's ``InputBatch.generators``, batch index -> seeded generator.
+        discard: ``[num_reqs]`` bool (numpy), vLLM's ``discard_request_mask`` for this step.
+
+    Returns:
+        ``batch index -> (generator, state)`` for the discarded CPU generators (CUDA generators
+        are left to vLLM's own rewind).
+    """
+    return {i: (g, g.get_state()) for i, g in generators.items()
+            if i < len(discard) and discard[i] and g.device.type == "cpu"}
