@@ -89,7 +89,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from gpu_timing import time_call  # noqa: E402  (benchmarks/, the script's folder)
+from gpu_timing import select_device, time_call  # noqa: E402  (benchmarks/, the script's folder)
 
 from vllm_ddtree.hybrid.oracle import (  # noqa: E402
     RecurrentTreeLayout,
@@ -955,17 +955,11 @@ def main(argv=None) -> int:
     if importlib.util.find_spec("triton") is None:
         print("triton is not installed", file=sys.stderr)
         return 2
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if torch.cuda.is_available() and not interpret:
-        device = "cuda"
-        print(f"device: {torch.cuda.get_device_name()}")
-    elif interpret:
-        device = "cpu"
-        print("device: cpu (TRITON_INTERPRET=1)")
-        patch_interpreter_masks()
-    else:
-        print("no GPU: run with TRITON_INTERPRET=1 (and --smoke) on CPU", file=sys.stderr)
+    device = select_device()
+    if device is None:
         return 2
+    if device == "cpu":
+        patch_interpreter_masks()
     import triton
 
     _CudaPlatform.allow_pdl = not args.no_pdl

@@ -33,3 +33,22 @@ def time_call(fn, device: str, iters: int, repeats: int) -> float:
                 fn()
             samples.append((time.perf_counter() - t0) * 1e3 / iters)
     return statistics.median(samples)
+
+
+def select_device() -> str | None:
+    """``"cuda"`` on a GPU, ``"cpu"`` under ``TRITON_INTERPRET=1``, else ``None`` (printed why).
+
+    Prints the device line both GPU scripts start their report with.
+    """
+    import os
+    import sys
+
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if torch.cuda.is_available() and not interpret:
+        print(f"device: {torch.cuda.get_device_name()}")
+        return "cuda"
+    if interpret:
+        print("device: cpu (TRITON_INTERPRET=1)")
+        return "cpu"
+    print("no GPU: run with TRITON_INTERPRET=1 (and --smoke) on CPU", file=sys.stderr)
+    return None

@@ -24,14 +24,13 @@ Exit status 1 if any check fails.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from gpu_timing import time_call  # noqa: E402  (benchmarks/, the script's folder)
+from gpu_timing import select_device, time_call  # noqa: E402  (benchmarks/, the script's folder)
 
 from vllm_ddtree.attention.triton_tree import (  # noqa: E402
     HAS_TRITON,
@@ -258,15 +257,8 @@ def main(argv=None) -> int:
     if not HAS_TRITON:
         print("triton is not installed", file=sys.stderr)
         return 2
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if torch.cuda.is_available() and not interpret:
-        device = "cuda"
-        print(f"device: {torch.cuda.get_device_name()}")
-    elif interpret:
-        device = "cpu"
-        print("device: cpu (TRITON_INTERPRET=1)")
-    else:
-        print("no GPU: run with TRITON_INTERPRET=1 (and --smoke) on CPU", file=sys.stderr)
+    device = select_device()
+    if device is None:
         return 2
     import triton
 
