@@ -103,9 +103,25 @@ def test_v2_seeded_sampling_equals_target_only(attention_runs):
     assert got["spec"]["num_accepted_tokens"] > 0, got["spec"]
 
 
+def test_v2_step_figures_reach_the_front_end(attention_runs):
+    """Tree-build and KV-compaction times ride from the V2 worker to the front end's stats
+    (``vllm:ddtree_tree_build_seconds`` …): one build per drafting step, one commit per
+    verifying step, so about as many as the engine steps that verified trees."""
+    got = _ok(attention_runs["B16"])
+    f, steps = got["figures"], got["spec"]["num_drafts"]
+    assert f["tree_builds"] > 0 and f["kv_compactions"] > 0, f
+    assert f["tree_build_seconds"] > 0 and f["kv_compaction_seconds"] > 0, f
+    # Batch of 4 prompts: each engine step verifies up to 4 trees and builds once.
+    assert steps / len(PROMPTS) <= f["kv_compactions"] <= steps, (f, steps)
+    assert f["shadow_steps"] == 0
+
+
 def test_v2_power_check_without_kv_compaction(attention_runs):
     """Without KV compaction the same run leaves target-only (the equality tests can fail)."""
     assert _ok(attention_runs["B16-no-compaction"])["token_ids"] != attention_runs["ref"]["token_ids"]
+
+
+SHADOW_L = 6  # drafter horizon of the shadow_linear config: its verified chains have 6 nodes
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +133,10 @@ def hybrid_runs(nemotron_h_pair, qwen3_next_target, qwen3_next_dflash_drafter) -
         _ddtree("nemotron-B16", nt, nd, 16, "nemotron-ref"),
         _ddtree("nemotron-B16-no-relayout", nt, nd, 16, "nemotron-ref",
                 disable=["recurrent_relayout"]),
+        {**_ddtree("nemotron-B16-shadow", nt, nd, 16, "nemotron-ref"),
+         "speculative_config": {"method": "ddtree", "model": str(nd), "ddtree_budget": 16,
+                                "num_speculative_tokens": SHADOW_L,
+                                "ddtree_hybrid": "shadow_linear"}},
         _target("qwen3next-ref", qt, dtype="bfloat16"),
         _ddtree("qwen3next-B9", qt, qd, 9, "qwen3next-ref", dtype="bfloat16"),
     ]
@@ -198,3 +218,18 @@ def test_v2_sampling_distribution_chi_square(tmp_path):
     assert len(set(a)) > 20  # several continuations are likely: the test can see a bias
     for stat, (xa, xb) in {k: (v, _statistics(b)[k]) for k, v in _statistics(a).items()}.items():
         assert chi2_two_sample(xa, xb) > ALPHA, stat
+
+
+def test_v2_shadow_linear_verifies_chains_and_measures_trees(hybrid_runs):
+    """``ddtree_hybrid="shadow_linear"`` on V2: only each tree's top-1 chain (L nodes) is
+    verified, the output equals target-only, and the trees' would-be τ (measured against the
+    realised output, sent to the front end as ``vllm:ddtree_shadow_*``) beats the chains' with
+    drafts whose second choice is right every third token."""
+    ref, got = _ok(hybrid_runs["nemotron-ref"]), _ok(hybrid_runs["nemotron-B16-shadow"])
+    assert got["token_ids"] == ref["token_ids"]
+    spec, f = got["spec"], got["figures"]
+    assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] == SHADOW_L * spec["num_drafts"]
+    assert f["shadow_steps"] > 20, f
+    tree_tau = 1 + f["shadow_tree_accepted"] / f["shadow_steps"]
+    chain_tau = 1 + f["shadow_chain_accepted"] / f["shadow_steps"]
+    assert tree_tau > chain_tau + 0.2, (tree_tau, chain_tau)

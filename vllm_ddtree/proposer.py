@@ -21,83 +21,11 @@ import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.config import DDTreeConfig, count_prefixes, get_ddtree_config
-from vllm_ddtree.tree import DraftTree, accepted_along, build_draft_trees, chain_tree
+from vllm_ddtree.metrics import WorkerFigures
+from vllm_ddtree.shadow import ShadowAcceptance
+from vllm_ddtree.tree import DraftTree, build_draft_trees, chain_tree
 
 logger = logging.getLogger("vllm.ddtree")
-
-class ShadowAcceptance:
-    """``ddtree_hybrid="shadow_linear"``: what the unverified trees would have accepted.
-
-    Each step's tree is kept with its root's place in the request's output; once the target has
-    produced enough tokens after it to settle both walks (trees of requests that end first are
-    not counted), the tree and the verified chain are both walked along those realised tokens (:func:`vllm_ddtree.tree.accepted_along`), so the two
-    acceptance lengths are measured the same way. Exact for greedy decoding (the realised
-    tokens are the target's own choices); an estimate at T > 0.
-
-    Attributes:
-        steps: trees measured.
-        tree_accepted, chain_accepted: drafts the trees / the verified chains accept in total.
-    """
-
-    def __init__(self, horizon: int, log_every: int = 256):
-        self.horizon, self.log_every = horizon, log_every
-        self.steps = self.tree_accepted = self.chain_accepted = 0
-        #: req_id -> [root output index or None (not known yet), tree, chain]
-        self._pending: dict[str, list[list[Any]]] = {}
-
-    @property
-    def tree_tau(self) -> float:
-        """Would-be mean acceptance length τ of the trees (1 + accepted drafts per step)."""
-        return 1.0 + self.tree_accepted / max(self.steps, 1)
-
-    @property
-    def chain_tau(self) -> float:
-        """Mean acceptance length τ of the verified chains, measured the same way."""
-        return 1.0 + self.chain_accepted / max(self.steps, 1)
-
-    def add(self, req_id: str, tree: DraftTree, chain: DraftTree) -> None:
-        self._pending.setdefault(req_id, []).append([None, tree, chain])
-
-    def update(self, req_id: str, output: list[int], final: bool = False) -> None:
-        """Resolve and measure ``req_id``'s pending trees against its output so far.
-
-        Args:
-            output: the request's output token ids committed so far (vLLM's
-                ``CachedRequestState.output_token_ids``; the last one is the root of the tree
-                proposed in the previous step).
-            final: the request is done: measure what is left with the tokens there are.
-        """
-        entries = self._pending.get(req_id)
-        if not entries:
-            return
-        if entries[-1][0] is None and output:
-            entries[-1][0] = len(output) - 1
-        keep = []
-        for entry in entries:
-            root, tree, chain = entry
-            if root is None:
-                keep.append(entry)
-                continue
-            after = output[root + 1 :]
-            t, c = accepted_along(tree, after), accepted_along(chain, after)
-            # Settled once both walks stopped before the realised tokens ran out.
-            if len(after) < self.horizon and not final and max(t, c) >= len(after):
-                keep.append(entry)
-                continue
-            self.steps += 1
-            self.tree_accepted += t
-            self.chain_accepted += c
-            if self.steps % self.log_every == 0:
-                self.log()
-        if keep and not final:
-            self._pending[req_id] = keep
-        else:
-            self._pending.pop(req_id, None)
-
-    def log(self) -> None:
-        logger.info(
-            "DDTree shadow_linear: verified chain τ=%.2f; the draft trees would reach τ=%.2f "
-            "(%d steps measured)", self.chain_tau, self.tree_tau, self.steps)
 
 
 class DDTreeProposer(DFlashProposer):
@@ -129,9 +57,12 @@ class DDTreeProposer(DFlashProposer):
         self.trees: dict[str, DraftTree] = {}
         self.last_log_probs: torch.Tensor | None = None
         self._ddtree_logits: torch.Tensor | None = None
+        #: Tree-build / KV-compaction times and the shadow measurement, for the metrics.
+        self.ddtree_figures = WorkerFigures()
         #: ``shadow_linear``: only the top-1 chain is verified; the trees are measured here.
         self.shadow: ShadowAcceptance | None = (
-            ShadowAcceptance(ddtree.drafter_horizon) if ddtree.hybrid == "shadow_linear" else None
+            ShadowAcceptance(ddtree.drafter_horizon, figures=self.ddtree_figures)
+            if ddtree.hybrid == "shadow_linear" else None
         )
 
         # Checked again here with the final scheduler settings (the front end may not know
@@ -222,7 +153,8 @@ class DDTreeProposer(DFlashProposer):
             is kept as :attr:`last_log_probs`.
         """
         self.last_log_probs = log_probs
-        return build_draft_trees(log_probs, self.ddtree.budget, self.ddtree.max_children)
+        with self.ddtree_figures.timed("tree_build"):
+            return build_draft_trees(log_probs, self.ddtree.budget, self.ddtree.max_children)
 
     def _propose_shadow(self, req_ids: list[str], log_probs: torch.Tensor,
                         trees: list[DraftTree]) -> torch.Tensor:
@@ -244,5 +176,4 @@ class DDTreeProposer(DFlashProposer):
         for req_id in [r for r in self.trees if r not in live_req_ids]:
             del self.trees[req_id]
         if self.shadow is not None:
-            for req_id in [r for r in self.shadow._pending if r not in live_req_ids]:
-                self.shadow._pending.pop(req_id, None)
+            self.shadow.forget(live_req_ids)

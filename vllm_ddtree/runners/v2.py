@@ -46,6 +46,8 @@ from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.config import DDTreeConfig, DDTreeConfigError, count_prefixes, get_ddtree_config
+from vllm_ddtree.metrics import WorkerFigures
+from vllm_ddtree.shadow import ShadowAcceptance
 from vllm_ddtree.step import ScheduledDrafts, TreeStep, lay_out_step
 from vllm_ddtree.tree import DraftTree, build_draft_trees
 from vllm_ddtree.verify import walk_step
@@ -99,6 +101,14 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.last_step: TreeStep | None = None
         self.last_log_probs: torch.Tensor | None = None
         self._logits: torch.Tensor | None = None
+        #: Tree-build / KV-compaction times and the shadow measurement, for the metrics.
+        self.ddtree_figures = WorkerFigures()
+        #: ``shadow_linear``: the top-1 chain is verified, the trees are measured against the
+        #: committed output, which V2 does not keep on the host: :meth:`record_output` does.
+        self.shadow: ShadowAcceptance | None = None
+        self._outputs: dict[str, list[int]] = {}
+        if ddtree.hybrid == "shadow_linear":
+            self.shadow = ShadowAcceptance(ddtree.drafter_horizon, figures=self.ddtree_figures)
         self._tree_tokens = torch.zeros(self.max_num_reqs, self.num_verify_slots,
                                         dtype=torch.int64, device=device)
         self._cache_layers: dict[str, tuple[Any, torch.Tensor]] | None = None
@@ -191,19 +201,55 @@ class DDTreeSpeculator(DFlashSpeculator):
         log_probs = torch.log_softmax(logits.float().view(num_reqs, L, -1), dim=-1)
         req_ids = list(input_batch.req_ids[:num_reqs])
         trees = self.build_trees(req_ids, log_probs)
-        B = self.ddtree.budget
+        if self.shadow is not None:
+            trees = self._shadow_chains(req_ids, log_probs, trees)
         host = torch.zeros(num_reqs, self.num_verify_slots, dtype=torch.int64)
         for i, (req_id, tree) in enumerate(zip(req_ids, trees)):
-            if tree.num_nodes != B:  # only possible with -inf drafts
+            n = L if self.shadow is not None else self.ddtree.budget
+            if tree.num_nodes != n:  # only possible with -inf drafts
                 raise RuntimeError(
-                    f"DDTree built {tree.num_nodes} nodes for request {req_id}, expected {B}")
-            host[i, :B] = tree.token_ids
+                    f"DDTree built {tree.num_nodes} nodes for request {req_id}, expected {n}")
+            host[i, :n] = tree.token_ids
             self.trees[req_id] = tree
         live = set(req_ids)
         for req_id in [r for r in self.trees if r not in live]:
             del self.trees[req_id]  # finished, aborted or preempted requests
+        if self.shadow is not None:
+            self.shadow.forget(live)
+            for req_id in [r for r in self._outputs if r not in live]:
+                del self._outputs[req_id]
         out.copy_(host)
         return out
+
+    def _shadow_chains(self, req_ids: list[str], log_probs: torch.Tensor,
+                       trees: list[DraftTree]) -> list[DraftTree]:
+        """``shadow_linear``: each request's top-1 chain (DFlash's argmax per depth, ``L``
+        nodes) to verify; its tree is kept for :class:`~vllm_ddtree.shadow.ShadowAcceptance`."""
+        from vllm_ddtree.tree import chain_tree
+
+        spine = log_probs.argmax(dim=-1).cpu()  # [R, L]
+        chains = []
+        for i, (req_id, tree) in enumerate(zip(req_ids, trees)):
+            chain = chain_tree(spine[i])
+            output = self._outputs.get(req_id, [])
+            self.shadow.update(req_id, output)
+            # The root is the token committed last (this step's bonus token).
+            self.shadow.add(req_id, tree, chain, root=len(output) - 1 if output else None)
+            chains.append(chain)
+        return chains
+
+    def record_output(self, req_ids: list[str], sampled: torch.Tensor,
+                      num_sampled: list[int]) -> None:
+        """``shadow_linear``: append each request's committed tokens of this step.
+
+        Args:
+            req_ids: the batch's request ids, in batch order.
+            sampled: ``[num_reqs, K + 1]`` int64 (host), tokens emitted per request, in order.
+            num_sampled: tokens each request committed this step (0 during a chunked prefill).
+        """
+        for b, req_id in enumerate(req_ids):
+            if num_sampled[b]:
+                self._outputs.setdefault(req_id, []).extend(sampled[b, : num_sampled[b]].tolist())
 
     def target_cache_layers(self) -> dict[str, tuple[Any, torch.Tensor]]:
         """The target's layers for KV compaction inside the caches (CUDA), found once
@@ -219,7 +265,8 @@ class DDTreeSpeculator(DFlashSpeculator):
     def build_trees(self, req_ids: list[str], log_probs: torch.Tensor) -> list[DraftTree]:
         """Best-first draft trees (paper Alg. 1) from ``[R, L, V]`` float32 drafter log-probs."""
         self.last_log_probs = log_probs
-        return build_draft_trees(log_probs, self.ddtree.budget, self.ddtree.max_children)
+        with self.ddtree_figures.timed("tree_build"):
+            return build_draft_trees(log_probs, self.ddtree.budget, self.ddtree.max_children)
 
 
 class DDTreeModelStateMixin:
@@ -422,15 +469,26 @@ class DDTreeVerifier:
                 logits[torch.tensor(perm, device=device)], max_logprobs, flat.to(device),
                 cu.tolist() if expanded else None,
                 logits_mode=sampler.logprobs_mode in ("raw_logits", "processed_logits"))
+        if spec is not None and spec.shadow is not None:
+            spec.record_output(list(input_batch.req_ids[:num_reqs]), sampled,
+                               num_sampled.tolist())
         sampled = sampled.to(device)
         if step is not None:
             from vllm_ddtree.commit import commit_tree_step
 
             # KV compaction and the recurrent re-layout; the drafter context is gathered by
             # DDTreeSpeculator.propose, where V2 hands over the hidden states.
-            commit_tree_step(step, hybrid_ctx)
             if spec is not None:
+                with spec.ddtree_figures.timed("kv_compaction"):
+                    commit_tree_step(step, hybrid_ctx)
                 spec.last_step = step
+                # V2 schedules K rows per request: the rows past a smaller tree are padding,
+                # not draft tokens (the scheduler's counts are corrected with this).
+                per_req = input_batch.num_draft_tokens_per_req
+                spec.ddtree_figures.add(padding_rows=sum(
+                    int(per_req[r.batch_index]) - (r.num_rows - 1) for r in step.requests))
+            else:
+                commit_tree_step(step, hybrid_ctx)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs,
                              num_nans=num_nans, num_sampled=num_sampled, num_rejected=num_rejected)
 
