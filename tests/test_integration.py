@@ -119,6 +119,8 @@ CHANGE_PATTERNS = {
     # module globals: ``torch.x.y = …`` / ``some_module.Name = …`` (lower-case owner, not self)
     "global swap": re.compile(r"^\s*(?!self\.)(torch|vllm|[a-z_]*module)\.[\w.]+\s*=[^=]"),
     "patch": re.compile(r"\bsetattr\("),
+    # attributes set on a step's output object vLLM hands around
+    "instance attribute": re.compile(r"^\s*(output|model_runner_output)\.\w+\s*=[^=]"),
     "distribution alias": re.compile(r"\bsys\.meta_path\.(insert|append|extend)\("),
 }
 
@@ -170,9 +172,11 @@ def test_the_change_scanner_can_fail():
                "os.environ['VLLM_X'] = '1'  # a comment: register_model(\n"
                "doc = 'register_backend( in a string is not code'\n"
                "register_backend(AttentionBackendEnum.FLASH_ATTN, 'x')\n"
-               "proc = MinPLogitsProcessor.__new__(MinPLogitsProcessor)\n")
+               "proc = MinPLogitsProcessor.__new__(MinPLogitsProcessor)\n"
+               "    output.extra = 1\n")
     bad = change_sites(Path("vllm_ddtree/verify.py"), snippet)
-    assert [b.split(": ")[1] for b in bad] == ["global swap", "env", "override"]
+    assert [b.split(": ")[1] for b in bad] == ["global swap", "env", "override",
+                                               "instance attribute"]
     # verify.py is the registered site of a bare instance, so its __new__ line passes (the
     # helper integration.bare_instance checks the entry); models/__init__.py registers models.
     assert change_sites(Path("vllm_ddtree/models/__init__.py"),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
+import pytest
+
 from vllm_ddtree.config import ADDITIONAL_CONFIG_KEY
 from vllm_ddtree.metrics import DDTreeStatLogger, accepted_depth_counts, observe_tree
 
@@ -57,3 +59,99 @@ def test_stat_logger_is_idle_without_ddtree():
     log.record(SimpleNamespace(spec_decoding_stats=observe_tree(None, 5, 8, 2)), None)
     assert log._series is None
     log.log()
+
+
+def test_worker_figures_time_sum_and_drain():
+    from vllm_ddtree.metrics import WorkerFigures
+
+    figures = WorkerFigures()
+    assert figures.drain() is None  # nothing measured: nothing sent
+    with figures.timed("tree_build"):
+        pass
+    with figures.timed("kv_compaction"):
+        pass
+    figures.add(shadow_steps=2, shadow_tree_accepted=5, padding_rows=3)
+    out = figures.drain()
+    assert (out["tree_builds"], out["kv_compactions"], out["shadow_steps"]) == (1, 1, 2)
+    assert out["tree_build_seconds"] > 0 and out["kv_compaction_seconds"] > 0
+    assert figures.drain() is None
+    with pytest.raises(KeyError):
+        figures.add(no_such_figure=1)
+
+
+def test_figures_ride_on_the_output_and_through_pickling():
+    """Sync and async (``get_output()``) outputs; the executors pickle the output."""
+    import pickle
+
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+    from vllm_ddtree.metrics import OUTPUT_ATTR, WorkerFigures, attach_figures
+
+    figures = WorkerFigures()
+    figures.add(tree_builds=1)
+    out = attach_figures(ModelRunnerOutput(req_ids=[], req_id_to_index={}), figures)
+    assert getattr(pickle.loads(pickle.dumps(out)), OUTPUT_ATTR)["tree_builds"] == 1
+
+    class AsyncOutput(AsyncModelRunnerOutput):  # the output is built by get_output()
+        sampled_token_ids = None  # V2's AsyncOutput has one too: not a ModelRunnerOutput
+
+        def get_output(self):
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={})
+
+    figures.add(kv_compactions=2)
+    pending = attach_figures(AsyncOutput(), figures)
+    figures.add(kv_compactions=1)  # done before get_output(): still this step's
+    assert getattr(pending.get_output(), OUTPUT_ATTR)["kv_compactions"] == 3
+
+
+def test_scheduler_stats_keep_the_figures_on_vllms_wire():
+    """The front end decodes the scheduler's stats with vLLM's msgspec decoder: the widened
+    field type keeps the figures (vLLM's own type would drop them), and padding rows come off
+    the draft-token count."""
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    import vllm_ddtree.plugin as plugin
+    from vllm_ddtree.metrics import DDTreeSpecDecodingStats, carry_figures
+
+    plugin.register()
+    stats = observe_tree(None, 5, 16, 3)
+    assert isinstance(stats, DDTreeSpecDecodingStats)
+    carry_figures(stats, {"tree_build_seconds": 0.25, "tree_builds": 2, "shadow_steps": 4,
+                          "padding_rows": 6})
+    assert stats.num_draft_tokens == 10
+    wire = MsgpackEncoder().encode(EngineCoreOutputs(
+        scheduler_stats=SchedulerStats(spec_decoding_stats=stats)))
+    got = MsgpackDecoder(EngineCoreOutputs).decode(wire).scheduler_stats.spec_decoding_stats
+    assert isinstance(got, DDTreeSpecDecodingStats)
+    assert (got.tree_build_seconds, got.tree_builds, got.shadow_steps) == (0.25, 2, 4)
+    assert (got.num_drafts, got.num_draft_tokens, got.num_accepted_tokens) == (1, 10, 3)
+
+
+def test_stat_logger_exports_step_figures_and_shadow_tau(caplog, monkeypatch):
+    import vllm_ddtree.metrics as metrics
+
+    cfg = _vllm_config()
+    monkeypatch.setattr(metrics, "get_ddtree_config",
+                        lambda c: SimpleNamespace(**c.additional_config[ADDITIONAL_CONFIG_KEY]))
+    stats = observe_tree(None, 5, 32, 2)
+    metrics.carry_figures(stats, {"tree_build_seconds": 0.004, "tree_builds": 2,
+                                  "kv_compaction_seconds": 0.001, "kv_compactions": 1,
+                                  "shadow_steps": 4, "shadow_tree_accepted": 10,
+                                  "shadow_chain_accepted": 6})
+    log = DDTreeStatLogger(cfg, engine_index=0)
+    log.labels = ["figures-test", "0"]
+    log.record(SimpleNamespace(spec_decoding_stats=stats), None)
+    import prometheus_client
+
+    value = prometheus_client.REGISTRY.get_sample_value
+    labels = {"model_name": "figures-test", "engine": "0"}
+    assert value("vllm:ddtree_tree_builds_total", labels) == 2
+    assert value("vllm:ddtree_kv_compaction_seconds_total", labels) == 0.001
+    assert value("vllm:ddtree_shadow_tree_accepted_tokens_total", labels) == 10
+    with caplog.at_level(logging.INFO, logger="vllm.ddtree"):
+        log.log()
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "tree build 2.000 ms per step, KV compaction 1.000 ms per step" in text
+    assert "verified chain τ 2.50; the draft trees would reach τ 3.50 (4 trees measured)" in text

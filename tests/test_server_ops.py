@@ -152,6 +152,16 @@ def test_tau_from_metrics_equals_offline_counters(server):
         f'position="{p}"' for p in range(HORIZON))
     assert delta("vllm:ddtree_acceptance_length_count") == steps
     assert delta("vllm:ddtree_acceptance_length_sum") == steps + accepted
+    # Worker-side figures: one commit per verifying step (one request at a time: one tree per
+    # step; the last step's figures may still wait in the scheduler), one tree build per
+    # drafting step (prefill chunks draft too), host times that are real.
+    builds, commits = delta("vllm:ddtree_tree_builds_total"), delta("vllm:ddtree_kv_compactions_total")
+    assert abs(commits - steps) <= 3 and builds >= commits > 0, (builds, commits, steps)
+    assert 0 < delta("vllm:ddtree_tree_build_seconds_total") < builds  # under 1 s per build
+    assert 0 < delta("vllm:ddtree_kv_compaction_seconds_total") < commits
+    assert delta("vllm:ddtree_shadow_steps_total") == 0  # not a shadow_linear engine
+    assert re.search(r"DDTree step overhead \(engine 0\): tree build \d+\.\d+ ms per step",
+                     server.log())
     assert after[("vllm:ddtree_node_budget", "")] == BUDGET
     assert after[("vllm:ddtree_drafter_horizon", "")] == HORIZON
     assert re.search(r"DDTree metrics \(engine 0\): mean acceptance length τ \d+\.\d\d",

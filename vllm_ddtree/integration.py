@@ -44,6 +44,7 @@ import importlib
 import inspect
 import os
 import sys
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -61,6 +62,10 @@ KINDS = {
     "bare instance": "a vLLM object built through __new__ with its state set by the plugin",
     "dependency": "a vLLM class or function the plugin subclasses, overrides or calls",
     "attribute": "an instance attribute or dataclass field of a vLLM class the plugin reads",
+    "instance attribute": "an attribute the plugin sets on one vLLM object it hands back to "
+                          "vLLM: a new one vLLM ignores, or that object's method wrapped",
+    "field type": "a dataclass field's declared type widened to the plugin's subclass of it "
+                  "(what vLLM's msgspec decoder builds); the signature is the declared type",
     "distribution alias": "a distribution finder on sys.meta_path that answers a lookup of "
                           "the distribution vLLM's code asks for by name (CLI process only)",
 }
@@ -272,8 +277,28 @@ REGISTER: list[Change] = [
             "num_draft_tokens_per_pos",
             "Counted per tree by metrics.observe_tree; read by DDTreeStatLogger.",
             "vllm_ddtree/metrics.py"),
-    *_attrs("vllm.v1.metrics.stats:SchedulerStats", "spec_decoding_stats",
-            "What DDTreeStatLogger.record reads.", "vllm_ddtree/metrics.py"),
+    _c("vllm.v1.metrics.stats:SchedulerStats.spec_decoding_stats", "field type",
+       "What DDTreeStatLogger.record reads; declared DDTreeSpecDecodingStats | None so that the "
+       "front end's msgspec decoder keeps the worker's figures (tree build and KV compaction "
+       "times, the shadow_linear measurement) that the scheduler adds to the step's stats.",
+       both("SpecDecodingStats | None"), "vllm_ddtree/plugin.py"),
+    _c("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", "patch",
+       "DDTree engines: the worker's figures on the step's ModelRunnerOutput are kept until "
+       "the scheduler's next spec-decode stats carry them to the front end.",
+       both("(self, scheduler_output, model_runner_output)"), _P),
+    _c("vllm.v1.outputs:ModelRunnerOutput.ddtree_figures", "instance attribute",
+       "A step's worker-side DDTree figures (metrics.WorkerFigures) ride to the scheduler on "
+       "its ModelRunnerOutput, pickled with it by the multiprocess and Ray executors.",
+       both(None), "vllm_ddtree/metrics.py"),
+    _c("vllm.v1.outputs:AsyncModelRunnerOutput.get_output", "instance attribute",
+       "With async scheduling the output is built by get_output(): that one object's method is "
+       "wrapped to put the figures on the output it returns.",
+       both(None), "vllm_ddtree/metrics.py"),
+    _c("vllm.v1.worker.gpu_worker:Worker.sample_tokens", "patch",
+       "DDTree engines (V1 and V2 runners): the drafter's figures since the last step are put "
+       "on the step's ModelRunnerOutput (an attribute vLLM ignores; async outputs when "
+       "get_output() builds it).",
+       both("(self, grammar_output)"), _P),
     *_attrs("vllm.v1.core.sched.scheduler:Scheduler", "vllm_config log_stats",
             "Whether the engine runs DDTree, and whether stats are kept.", _P),
     *_attrs("vllm.v1.metrics.loggers:PrometheusStatLogger", "_spec_decoding_cls",
@@ -1011,7 +1036,7 @@ def resolve_live(change: Change) -> Any:
     except ImportError as e:
         raise LookupError(f"no module {change.module} ({e})") from e
     parts = change.qualname.split(".")
-    if change.kind == "attribute":
+    if change.kind in ("attribute", "field type", "instance attribute"):
         parts = parts[:-1]  # instance attributes exist on instances only; check the class
     for i, name in enumerate(parts):
         owner = obj
@@ -1075,10 +1100,63 @@ def check_installed(version: str | None = None, platform: str | None = None,
         expected = change.expected(version, platform)
         if expected is None or change.kind == "attribute":
             continue
-        found = live_signature(obj)
+        found = (field_type_text(obj, change.qualname.rsplit(".", 1)[1])
+                 if change.kind == "field type" else live_signature(obj))
         if found != expected:
             problems.append(f"{change.target}: expected {expected}, found {found}")
     return problems
+
+
+def field_type_text(cls: type, name: str) -> str | None:
+    """The declared type of dataclass field ``cls.name`` as source spells it
+    (``"SpecDecodingStats | None"``); a type the plugin widened (:func:`widen_field`) reads as
+    the type it replaced. ``None``: no such field."""
+    f = getattr(cls, "__dataclass_fields__", {}).get(name)
+    if f is None:
+        return None
+    t = f.type
+    if isinstance(t, str):
+        return t
+    if isinstance(t, types.UnionType):
+        return " | ".join(_type_name(a) for a in t.__args__)
+    return _type_name(t)
+
+
+def _type_name(t: Any) -> str:
+    if t is type(None):
+        return "None"
+    if getattr(t, "__module__", "").startswith("vllm_ddtree.") and t.__mro__[1] is not object:
+        return t.__mro__[1].__name__  # widened by the plugin: the type it replaced
+    return getattr(t, "__name__", repr(t))
+
+
+def widen_field(owner: type, name: str, subclass: type) -> bool:
+    """Declare dataclass field ``owner.name`` (``Base | None``) as ``subclass | None`` (kind
+    ``"field type"``), so vLLM's msgspec decoder builds ``subclass`` and keeps its extra fields
+    (it drops fields the declared type lacks). Values of ``Base`` still decode (the extra fields
+    take their defaults). Returns whether the type is widened now.
+
+    A decoder built before this call keeps the old type (msgspec caches type information on the
+    class): then nothing is changed and ``False`` is returned (the caller logs it).
+
+    Raises:
+        KeyError: ``owner.name`` is not registered as a field type.
+        TypeError: the field is not ``Base | None`` with ``subclass`` deriving from ``Base``.
+    """
+    target = f"{owner.__module__}:{owner.__qualname__}.{name}"
+    _require(target, "field type")
+    f = owner.__dataclass_fields__[name]
+    args = getattr(f.type, "__args__", ())
+    if subclass in args:
+        return True
+    base = next((a for a in args if a is not type(None)), None)
+    if len(args) != 2 or type(None) not in args or not issubclass(subclass, base):
+        raise TypeError(f"{target} is declared {f.type}, not a supertype of "
+                        f"{subclass.__qualname__} | None")
+    if "__msgspec_cache__" in vars(owner):
+        return False
+    f.type = owner.__annotations__[name] = subclass | None
+    return True
 
 
 _VERIFIED: set[tuple[str, str]] = set()
@@ -1324,6 +1402,8 @@ def resolve_source(src: _Sources | Path, change: Change) -> list[_Found]:
     """
     src = src if isinstance(src, _Sources) else _Sources(src)
     parts = change.qualname.split(".")
+    if change.kind == "instance attribute":
+        parts = parts[:-1]  # set on instances by the plugin: the class must exist
     current = _lookup_module(src, change.module, parts[0])
     for i, name in enumerate(parts[1:], start=1):
         last = i == len(parts) - 1
@@ -1395,8 +1475,12 @@ def check_sources(root: Path | str, version: str,
         except SourceLookupError as e:
             problems.append(f"{change.target}: missing ({e})")
             continue
-        found = [ast_signature(f.node, _default_resolver(src, f.module)) for f in candidates
-                 if isinstance(f.node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        if change.kind == "field type":
+            found = [ast.unparse(f.node.annotation) for f in candidates
+                     if isinstance(f.node, ast.AnnAssign)]
+        else:
+            found = [ast_signature(f.node, _default_resolver(src, f.module)) for f in candidates
+                     if isinstance(f.node, (ast.FunctionDef, ast.AsyncFunctionDef))]
         for expected in sorted(change.all_expected(version)):
             if expected not in found:
                 problems.append(f"{change.target}: expected {expected}, found "

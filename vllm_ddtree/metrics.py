@@ -22,6 +22,12 @@ Where the numbers come from, all through vLLM's own paths:
 * front end: vLLM's Prometheus logger keeps its ``vllm:spec_decode_*`` series, with the
   per-position counter sized L for DDTree engines (``PrometheusStatLogger.__init__`` patched,
   :class:`HorizonView`);
+* worker: tree-build and KV-compaction times and the ``shadow_linear`` measurement are summed in
+  the drafter's :class:`WorkerFigures`, sent with each step's ``ModelRunnerOutput``
+  (``Worker.sample_tokens`` patched, :func:`attach_figures`), kept by the scheduler
+  (``Scheduler.update_from_output`` patched) and sent on in the step's spec-decode stats, which
+  the front end decodes as :class:`DDTreeSpecDecodingStats` (``SchedulerStats``' field type
+  widened: vLLM's wire format drops fields its declared type lacks);
 * :class:`DDTreeStatLogger`, a ``vllm.stat_logger_plugins`` entry point (vLLM's seam for stat
   loggers, loaded by the OpenAI server's ``AsyncLLM``), adds the ``vllm:ddtree_*`` series below
   (labels ``model_name``, ``engine`` like vLLM's own) and logs τ and the per-depth rates at
@@ -30,8 +36,11 @@ Where the numbers come from, all through vLLM's own paths:
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
@@ -45,6 +54,132 @@ LABELS = ["model_name", "engine"]
 
 
 _WARNED: list[bool] = []
+
+#: Worker-side figures, summed between two steps' outputs (seconds are host wall time: on CUDA
+#: the tree build includes waiting for the drafter's logits, KV compaction only its launches).
+WORKER_FIGURES = ("tree_build_seconds", "tree_builds", "kv_compaction_seconds",
+                  "kv_compactions", "shadow_steps", "shadow_tree_accepted",
+                  "shadow_chain_accepted")
+
+#: ``ModelRunnerOutput`` attribute carrying a step's :class:`WorkerFigures` to the scheduler.
+OUTPUT_ATTR = "ddtree_figures"
+
+
+@dataclass
+class DDTreeSpecDecodingStats(SpecDecodingStats):
+    """vLLM's ``SpecDecodingStats`` plus the worker's figures (:data:`WORKER_FIGURES`, sums since
+    the previous stats that carried them).
+
+    Attributes:
+        tree_build_seconds: host time building draft trees (best-first, paper §3.2), s.
+        tree_builds: tree-building calls (one per engine step with drafts).
+        kv_compaction_seconds: host time of KV compaction and the recurrent re-layout, s.
+        kv_compactions: commits (one per engine step that verified trees).
+        shadow_steps: ``shadow_linear``: trees measured against the realised output.
+        shadow_tree_accepted, shadow_chain_accepted: drafts those trees / the verified chains
+            accept; the trees' would-be τ is ``1 + shadow_tree_accepted / shadow_steps``.
+    """
+
+    tree_build_seconds: float = 0.0
+    tree_builds: int = 0
+    kv_compaction_seconds: float = 0.0
+    kv_compactions: int = 0
+    shadow_steps: int = 0
+    shadow_tree_accepted: int = 0
+    shadow_chain_accepted: int = 0
+
+
+#: What the worker sends: :data:`WORKER_FIGURES`, and ``padding_rows``: verified rows past a
+#: tree smaller than the ``K`` rows V2 schedules per request, which the scheduler counted as
+#: draft tokens (:func:`carry_figures` takes them off).
+SENT_FIGURES = (*WORKER_FIGURES, "padding_rows")
+
+
+class WorkerFigures:
+    """One engine's worker-side DDTree figures, summed until the next step's output takes them.
+
+    Owned by the drafter (V1 ``DDTreeProposer``, V2 ``DDTreeSpeculator``) as ``ddtree_figures``.
+    """
+
+    def __init__(self) -> None:
+        self.pending: dict[str, float] = dict.fromkeys(SENT_FIGURES, 0)
+
+    def add(self, **amounts: float) -> None:
+        """Add to figures of :data:`SENT_FIGURES` (``KeyError`` for any other name)."""
+        for name, value in amounts.items():
+            self.pending[name] += value
+
+    @contextlib.contextmanager
+    def timed(self, what: str) -> Iterator[None]:
+        """Time the block as ``what`` (``"tree_build"`` or ``"kv_compaction"``): adds its host
+        seconds to ``{what}_seconds`` and one to the call count."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            count = "tree_builds" if what == "tree_build" else "kv_compactions"
+            self.add(**{f"{what}_seconds": time.perf_counter() - t0, count: 1})
+
+    def drain(self) -> dict[str, float] | None:
+        """The figures since the last drain (``None`` if all zero), and start again."""
+        if not any(self.pending.values()):
+            return None
+        out, self.pending = self.pending, dict.fromkeys(SENT_FIGURES, 0)
+        return out
+
+
+def worker_figures(model_runner: Any) -> WorkerFigures | None:
+    """The :class:`WorkerFigures` of a worker's model runner (V1: ``drafter``, V2:
+    ``speculator``), or ``None`` for an engine without DDTree."""
+    for name in ("drafter", "speculator"):
+        figures = getattr(getattr(model_runner, name, None), OUTPUT_ATTR, None)
+        if isinstance(figures, WorkerFigures):
+            return figures
+    return None
+
+
+def attach_figures(output: Any, figures: WorkerFigures) -> Any:
+    """Put the figures so far on a step's ``ModelRunnerOutput`` (attribute :data:`OUTPUT_ATTR`);
+    for an ``AsyncModelRunnerOutput``, when its ``get_output()`` produces it. Returns ``output``.
+
+    An attribute survives the executors' pickling (multiprocess, Ray) and is ignored by vLLM.
+    """
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+
+    if isinstance(output, AsyncModelRunnerOutput):
+        get_output = output.get_output
+
+        def get_output_with_figures() -> Any:
+            return attach_figures(get_output(), figures)
+
+        output.get_output = get_output_with_figures
+        return output
+    if output is not None:
+        output.ddtree_figures = figures.drain()  # OUTPUT_ATTR
+    return output
+
+
+def merge_figures(into: dict[str, float] | None, figures: dict[str, float] | None
+                  ) -> dict[str, float] | None:
+    """``into + figures`` per name (either may be ``None``)."""
+    if not figures:
+        return into
+    if into is None:
+        return dict(figures)
+    for name, value in figures.items():
+        into[name] = into.get(name, 0) + value
+    return into
+
+
+def carry_figures(stats: SpecDecodingStats, figures: dict[str, float] | None) -> None:
+    """Write summed worker figures into a step's :class:`DDTreeSpecDecodingStats` (scheduler
+    side), and take V2's padding rows off its draft-token count (the same step's output carries
+    them, so the count is the step's tree nodes)."""
+    if figures and isinstance(stats, DDTreeSpecDecodingStats):
+        fields = vars(stats)  # the plugin's own dataclass
+        for name in WORKER_FIGURES:
+            fields[name] += figures.get(name, 0)
+        stats.num_draft_tokens -= int(figures.get("padding_rows", 0))
 
 
 def observe_tree(
@@ -73,7 +208,7 @@ def observe_tree(
         logger.warning("DDTree metrics: accepted depth %d exceeds the drafter horizon L=%d; "
                        "per-depth counters count its first L depths", accepted_depth, horizon)
     if stats is None:
-        stats = SpecDecodingStats.new(horizon)
+        stats = DDTreeSpecDecodingStats.new(horizon)
     stats.num_drafts += 1
     stats.num_draft_tokens += num_nodes
     stats.num_accepted_tokens += accepted_depth
@@ -116,6 +251,22 @@ def _collector(cls: Any, name: str, doc: str, labelnames: list[str], **kwargs: A
     return _COLLECTORS[name]
 
 
+#: Worker figure -> (Prometheus counter name after ``vllm:ddtree_``, documentation).
+_FIGURE_SERIES = {
+    "tree_build_seconds": ("tree_build_seconds", "DDTree host time building draft trees (s)."),
+    "tree_builds": ("tree_builds", "DDTree tree-building calls (engine steps with drafts)."),
+    "kv_compaction_seconds": ("kv_compaction_seconds",
+                              "DDTree host time of KV compaction and recurrent re-layout (s)."),
+    "kv_compactions": ("kv_compactions", "DDTree commits (engine steps that verified trees)."),
+    "shadow_steps": ("shadow_steps", "DDTree shadow_linear: draft trees measured."),
+    "shadow_tree_accepted": ("shadow_tree_accepted_tokens",
+                             "DDTree shadow_linear: drafts the unverified trees would accept."),
+    "shadow_chain_accepted": ("shadow_chain_accepted_tokens",
+                              "DDTree shadow_linear: drafts the verified chains accept, "
+                              "measured the same way."),
+}
+
+
 class DDTreeStatLogger(StatLoggerBase):
     """Per-engine DDTree metrics (a ``vllm.stat_logger_plugins`` entry point); does nothing for
     an engine without DDTree.
@@ -129,7 +280,13 @@ class DDTreeStatLogger(StatLoggerBase):
       reaches that depth;
     * ``vllm:ddtree_acceptance_length`` — histogram of tokens emitted per step (``a + 1``,
       buckets 1..L+1);
-    * ``vllm:ddtree_node_budget``, ``vllm:ddtree_drafter_horizon`` — gauges, B and L in force.
+    * ``vllm:ddtree_node_budget``, ``vllm:ddtree_drafter_horizon`` — gauges, B and L in force;
+    * ``vllm:ddtree_tree_build_seconds`` / ``vllm:ddtree_tree_builds`` and
+      ``vllm:ddtree_kv_compaction_seconds`` / ``vllm:ddtree_kv_compactions`` — host time and
+      calls (mean per engine step = the ratio of their rates);
+    * ``vllm:ddtree_shadow_steps``, ``vllm:ddtree_shadow_tree_accepted_tokens``,
+      ``vllm:ddtree_shadow_chain_accepted_tokens`` — ``shadow_linear`` only: trees measured and
+      the drafts they / the verified chains accept (would-be τ = 1 + tree accepted / steps).
     """
 
     def __init__(self, vllm_config: Any, engine_index: int = 0):
@@ -143,6 +300,7 @@ class DDTreeStatLogger(StatLoggerBase):
         horizon = self.config.drafter_horizon if self.config else 0
         self._steps = self._nodes = self._accepted = 0
         self._per_depth = [0] * horizon
+        self._figures: dict[str, float] = dict.fromkeys(WORKER_FIGURES, 0)
 
     def _make_series(self) -> dict[str, Any]:
         import prometheus_client as prom
@@ -154,6 +312,7 @@ class DDTreeStatLogger(StatLoggerBase):
                 ("verification_steps", "DDTree trees verified (one per request and step)."),
                 ("tree_nodes", "DDTree tree nodes verified."),
                 ("accepted_tokens", "DDTree accepted path nodes (bonus tokens not included)."),
+                *_FIGURE_SERIES.values(),
             )
         }
         per_depth = _collector(prom.Counter, "vllm:ddtree_accepted_tokens_per_depth",
@@ -186,6 +345,11 @@ class DDTreeStatLogger(StatLoggerBase):
         for depth, count in enumerate(accepted_depth_counts(stats)):
             for _ in range(count):
                 s["acceptance_length"].observe(depth + 1)
+        for figure, (series, _) in _FIGURE_SERIES.items():
+            value = getattr(stats, figure, 0)  # 0: stats decoded without the widened type
+            if value:
+                s[series].inc(value)
+                self._figures[figure] += value
         self._steps += stats.num_drafts
         self._nodes += stats.num_draft_tokens
         self._accepted += stats.num_accepted_tokens
@@ -203,6 +367,19 @@ class DDTreeStatLogger(StatLoggerBase):
             self.engine_index, 1 + self._accepted / steps, steps, self._nodes / steps,
             self.config.budget, self.config.drafter_horizon,
             ", ".join(f"{n / steps:.3f}" for n in self._per_depth))
+        f = self._figures
+        if f["tree_builds"] or f["kv_compactions"]:
+            logger.info(
+                "DDTree step overhead (engine %d): tree build %.3f ms per step, KV compaction "
+                "%.3f ms per step (host time)", self.engine_index,
+                1e3 * f["tree_build_seconds"] / max(f["tree_builds"], 1),
+                1e3 * f["kv_compaction_seconds"] / max(f["kv_compactions"], 1))
+        if f["shadow_steps"]:
+            logger.info(
+                "DDTree shadow_linear (engine %d): verified chain τ %.2f; the draft trees would "
+                "reach τ %.2f (%d trees measured)", self.engine_index,
+                1 + f["shadow_chain_accepted"] / f["shadow_steps"],
+                1 + f["shadow_tree_accepted"] / f["shadow_steps"], f["shadow_steps"])
         self._reset_interval()
 
     def log_engine_initialized(self) -> None:

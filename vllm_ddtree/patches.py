@@ -375,14 +375,42 @@ def _make_spec_decoding_stats(original: Callable) -> Callable:
         if not self.log_stats or not num_draft_tokens:
             # vLLM returns None here, dropping what earlier requests of the step recorded.
             return spec_decoding_stats
-        from vllm_ddtree.metrics import observe_tree
+        from vllm_ddtree.metrics import carry_figures, observe_tree
 
         # Per-depth counters sized by L, not vLLM's max(B, L) slots (structured outputs, the
         # only source of invalid drafts, are refused for DDTree).
-        return observe_tree(spec_decoding_stats, ddtree.drafter_horizon, num_draft_tokens,
-                            num_accepted_tokens)
+        stats = observe_tree(spec_decoding_stats, ddtree.drafter_horizon, num_draft_tokens,
+                             num_accepted_tokens)
+        if spec_decoding_stats is None:  # the step's stats: they carry the worker's figures
+            carry_figures(stats, self.__dict__.pop("_ddtree_figures", None))
+        return stats
 
     return make_spec_decoding_stats
+
+
+@patch("vllm.v1.core.sched.scheduler", "Scheduler.update_from_output")
+def _update_from_output(original: Callable) -> Callable:
+    def update_from_output(self, scheduler_output, model_runner_output):
+        from vllm_ddtree.metrics import OUTPUT_ATTR, merge_figures
+
+        figures = getattr(model_runner_output, OUTPUT_ATTR, None)
+        if figures:  # kept until a step's spec-decode stats can carry them to the front end
+            self._ddtree_figures = merge_figures(getattr(self, "_ddtree_figures", None), figures)
+        return original(self, scheduler_output, model_runner_output)
+
+    return update_from_output
+
+
+@patch("vllm.v1.worker.gpu_worker", "Worker.sample_tokens")
+def _worker_sample_tokens(original: Callable) -> Callable:
+    def sample_tokens(self, grammar_output, *args, **kwargs):
+        from vllm_ddtree.metrics import attach_figures, worker_figures
+
+        output = original(self, grammar_output, *args, **kwargs)
+        figures = worker_figures(self.model_runner)
+        return output if figures is None else attach_figures(output, figures)
+
+    return sample_tokens
 
 
 @patch("vllm.v1.metrics.loggers", "PrometheusStatLogger.__init__")
@@ -605,7 +633,8 @@ def _sample(original: Callable) -> Callable:
         if step is None:
             return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
         hybrid_ctx, state.hybrid_ctx = state.hybrid_ctx, None
-        commit_tree_step(step, hybrid_ctx)
+        with self.drafter.ddtree_figures.timed("kv_compaction"):
+            commit_tree_step(step, hybrid_ctx)
         committed = self.optimistic_seq_lens_cpu[: self.input_batch.num_reqs].clone()
         for r in step.requests:
             committed[r.batch_index] = r.context_len + len(r.accepted)

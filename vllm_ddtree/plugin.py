@@ -54,8 +54,22 @@ def register() -> None:
     elif current_platform.is_cuda():
         integration.override_backend("TRITON_ATTN", CUDA_BACKEND)
     patches.apply_patches()
+    _widen_spec_decoding_stats()
     # GraniteMoeHybrid with the EAGLE3 aux-hidden-state interface DFlash needs (vLLM's lacks it).
     from vllm_ddtree.models import register_models
 
     register_models()
     _registered = True
+
+
+def _widen_spec_decoding_stats() -> None:
+    """Let this process decode the DDTree figures the scheduler sends with its spec-decode stats
+    (:class:`vllm_ddtree.metrics.DDTreeSpecDecodingStats`); without it they read as 0."""
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    from vllm_ddtree import integration
+    from vllm_ddtree.metrics import DDTreeSpecDecodingStats
+
+    if not integration.widen_field(SchedulerStats, "spec_decoding_stats", DDTreeSpecDecodingStats):
+        logger.warning("DDTree: vLLM built its stats decoder before the plugin loaded; the "
+                       "vllm:ddtree_* time and shadow_linear series stay 0 in this process")

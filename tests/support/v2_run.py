@@ -38,6 +38,8 @@ Result::
                   "logprobs": [[[[token_id, logprob], ...] per position] per prompt] or null,
                   "spec": {"num_drafts": int, "num_draft_tokens": int,
                            "num_accepted_tokens": int, "accepted_per_pos": [int, ...]},
+                  "figures": {name: sum} of the DDTree worker figures (vllm_ddtree.metrics.
+                             WORKER_FIGURES) that reached the front end during generate,
                   "build_s": float, "generate_s": float,
                   "error": null or "<Type>: <message>\\n<traceback tail>"}]}
 
@@ -81,7 +83,7 @@ _SPEC_METRICS = {
 _PER_POS_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos"
 #: Result fields of a config that produced nothing.
 _EMPTY = {"runners": None, "token_ids": None, "prompt_lens": None, "prompt_token_ids": None,
-          "logprobs": None, "spec": None,
+          "logprobs": None, "spec": None, "figures": None,
           "build_s": None, "generate_s": None}
 #: Config keys that are not ``vllm.LLM`` keyword arguments.
 _OWN_KEYS = ("name", "target", "prompts", "sampling", "env", "oracle", "disable",
@@ -189,6 +191,30 @@ def _delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_FIGURES: dict[str, float] = {}
+
+
+def _capture_figures() -> None:
+    """Sum the DDTree worker figures that reach this (front-end) process with the scheduler's
+    stats (``StatLoggerManager.record`` wrapped once, test-only)."""
+    from vllm.v1.metrics.loggers import StatLoggerManager
+
+    from vllm_ddtree.metrics import WORKER_FIGURES
+
+    record = StatLoggerManager.record
+    if getattr(record, "_captures_figures", False):
+        return
+
+    def capture(self, scheduler_stats, *args, **kwargs):
+        stats = getattr(scheduler_stats, "spec_decoding_stats", None)
+        for name in WORKER_FIGURES:
+            _FIGURES[name] = _FIGURES.get(name, 0) + getattr(stats, name, 0)
+        return record(self, scheduler_stats, *args, **kwargs)
+
+    capture._captures_figures = True
+    StatLoggerManager.record = capture
+
+
 def _test_hooks(cfg: dict[str, Any], done: list[dict[str, Any]]) -> list:
     """Install a config's test-only hooks; returns the functions that remove them."""
     undo = []
@@ -261,10 +287,13 @@ def _run_config(i: int, cfg: dict[str, Any], expected_runner: str,
         prompts = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in cfg["prompts"]]
         params = SamplingParams(**cfg.get("sampling", {"temperature": 0.0, "max_tokens": 16}))
         before = _spec_counters(llm)
+        _capture_figures()
+        _FIGURES.clear()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         res["generate_s"] = round(time.perf_counter() - t0, 2)
         res["spec"] = _delta(before, _spec_counters(llm))
+        res["figures"] = dict(_FIGURES)
         res["token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
         res["prompt_lens"] = [len(o.prompt_token_ids) for o in outs]
         res["prompt_token_ids"] = [list(o.prompt_token_ids) for o in outs]
