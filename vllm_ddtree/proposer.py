@@ -142,8 +142,9 @@ class DDTreeProposer(DFlashProposer):
         )
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         if ddtree.budget + 1 > max_tokens or fillable < ddtree.budget:
+            key = "ddtree_max_budget" if ddtree.auto_budget else "ddtree_budget"
             raise ValueError(
-                f"speculative_config['ddtree_budget']={ddtree.budget} cannot run: it needs "
+                f"speculative_config['{key}']={ddtree.budget} cannot run: it needs "
                 f"{ddtree.budget + 1} slots per step (max_num_batched_tokens={max_tokens}) and "
                 f"{ddtree.budget} distinct draft prefixes ({fillable} exist)"
             )
