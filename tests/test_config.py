@@ -405,6 +405,8 @@ def test_auto_default_max_shrinks_to_what_fits(dflash_drafter):
          {"vocab_size": 5}, r"ddtree_max_budget'\]=6 is impossible.*only 5"),
         ({"ddtree_budget": "auto", "ddtree_max_budget": 40}, {"max_num_batched_tokens": 32},
          r"ddtree_max_budget'\]=40.*max_num_batched_tokens=32"),
+        ({"ddtree_budget": "auto", "ddtree_hybrid": "shadow_linear"}, {},
+         r"ddtree_budget'\]='auto' cannot be combined with ddtree_hybrid='shadow_linear'"),
     ],
 )
 def test_auto_budget_bad_values_name_the_key(dflash_drafter, extra, kw, match):
@@ -418,3 +420,14 @@ def test_auto_concurrency_warning_names_the_max_budget():
     message = draft_concurrency_warning(auto, 2048, 256, "0.33.0")
     assert "ddtree_max_budget=64" in message and "lower ddtree_max_budget" in message
     assert "ddtree_budget=" not in message
+
+
+def test_auto_budget_is_refused_on_model_runner_v2(dflash_drafter):
+    """V2 verifies max(B, L) rows per request whatever the tree's size, so auto would save
+    nothing there yet: its speculator refuses it before building anything."""
+    from vllm_ddtree.runners.v2 import DDTreeSpeculator
+
+    _, cfg = translate_speculative_config(spec(dflash_drafter, ddtree_budget="auto"))
+    vllm_config = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: cfg.to_dict()})
+    with pytest.raises(DDTreeConfigError, match=r"'auto' runs on Model Runner V1 only"):
+        DDTreeSpeculator(vllm_config, device="cpu")

@@ -244,6 +244,12 @@ def translate_speculative_config(
             f"speculative_config['ddtree_hybrid'] must be one of {list(HYBRID_MODES)}, "
             f"got {hybrid!r}"
         )
+    if auto and hybrid == "shadow_linear":
+        raise DDTreeConfigError(
+            "speculative_config['ddtree_budget']='auto' cannot be combined with "
+            "ddtree_hybrid='shadow_linear': that mode verifies only the top-1 chain, so no tree "
+            "size is chosen; use a fixed ddtree_budget"
+        )
     if spec.get("disable_padded_drafter_batch") is True:
         raise DDTreeConfigError(
             "speculative_config['disable_padded_drafter_batch']=True is not supported with "

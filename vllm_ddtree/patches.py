@@ -486,6 +486,8 @@ def _prepare_inputs(original: Callable) -> Callable:
         from vllm_ddtree.step import plan_tree_step
 
         state.hybrid_done = False  # this step's target forward is still to come
+        state.step_index += 1
+        state.step_rows = int(scheduler_output.total_num_scheduled_tokens)
         num_reqs = self.input_batch.num_reqs
         req_ids = self.input_batch.req_ids[:num_reqs]
         trees = self.drafter.trees
@@ -612,6 +614,7 @@ def _sample(original: Callable) -> Callable:
             return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
         hybrid_ctx, state.hybrid_ctx = state.hybrid_ctx, None
         commit_tree_step(step, hybrid_ctx)
+        self.drafter.observe_verified(step)  # ddtree_budget="auto" learns what was accepted
         committed = self.optimistic_seq_lens_cpu[: self.input_batch.num_reqs].clone()
         for r in step.requests:
             committed[r.batch_index] = r.context_len + len(r.accepted)
