@@ -6,7 +6,6 @@ greedy output must still equal target-only decoding token for token.
 
 from __future__ import annotations
 
-import pytest
 from vllm import SamplingParams
 
 from tests.support import trained
