@@ -340,3 +340,94 @@ def test_budget_above_vllms_default_token_budget_names_the_key(qwen3_target, dfl
     with pytest.raises(DDTreeConfigError, match=r"ddtree_budget'\]=5000.*max_num_batched_tokens"):
         make_llm(qwen3_target, max_num_batched_tokens=None, speculative_config={
             "method": "ddtree", "model": str(dflash_drafter), "ddtree_budget": 5000})
+    with pytest.raises(DDTreeConfigError,
+                       match=r"ddtree_max_budget'\]=5000.*lower ddtree_max_budget"):
+        make_llm(qwen3_target, max_num_batched_tokens=None, speculative_config={
+            "method": "ddtree", "model": str(dflash_drafter), "ddtree_budget": "auto",
+            "ddtree_max_budget": 5000})
+
+
+# ------------------------------------------------------------------ "ddtree_budget": "auto"
+
+
+def test_auto_budget_defaults_and_slots(dflash_drafter):
+    from vllm_ddtree.config import DEFAULT_MAX_BUDGET
+
+    vllm_spec, cfg = translate_speculative_config(spec(dflash_drafter, ddtree_budget="auto"))
+    assert cfg.auto_budget and cfg.budget == DEFAULT_MAX_BUDGET == 64
+    # K = max(B_max, L): vLLM reserves slots for the largest tree the controller may choose.
+    assert vllm_spec["num_speculative_tokens"] == 64 == cfg.num_verify_slots
+    assert not any(k.startswith("ddtree") for k in vllm_spec)
+    _, fixed = translate_speculative_config(spec(dflash_drafter, ddtree_budget=8))
+    assert not fixed.auto_budget
+
+
+@pytest.mark.parametrize("max_budget, horizon, slots", [(8, 15, 15), (100, 15, 100), (1, 3, 3)])
+def test_auto_budget_with_max(dflash_drafter, max_budget, horizon, slots):
+    vllm_spec, cfg = translate_speculative_config(
+        spec(dflash_drafter, ddtree_budget="auto", ddtree_max_budget=max_budget,
+             num_speculative_tokens=horizon))
+    assert (cfg.auto_budget, cfg.budget) == (True, max_budget)
+    assert vllm_spec["num_speculative_tokens"] == slots
+    carried = json.loads(json.dumps({ADDITIONAL_CONFIG_KEY: cfg.to_dict()}))
+    assert ddtree_config_from(carried) == cfg
+    # A config carried by an older plugin (no auto_budget key) reads as a fixed budget.
+    old = {k: v for k, v in cfg.to_dict().items() if k != "auto_budget"}
+    assert DDTreeConfig.from_dict(old).auto_budget is False
+
+
+def test_auto_default_max_shrinks_to_what_fits(dflash_drafter):
+    # L = 1 over 5 tokens: 5 prefixes; a 20-token step holds a tree of 19 nodes.
+    _, cfg = translate_speculative_config(
+        spec(dflash_drafter, ddtree_budget="auto", num_speculative_tokens=1), vocab_size=5)
+    assert cfg.budget == 5
+    _, cfg = translate_speculative_config(spec(dflash_drafter, ddtree_budget="auto"),
+                                          max_num_batched_tokens=20)
+    assert cfg.budget == 19
+    with pytest.raises(DDTreeConfigError, match=r"ddtree_budget'\]='auto' cannot run"):
+        translate_speculative_config(spec(dflash_drafter, ddtree_budget="auto"),
+                                     max_num_batched_tokens=1)
+
+
+@pytest.mark.parametrize(
+    "extra, kw, match",
+    [
+        ({"ddtree_budget": "Auto"}, {}, r"ddtree_budget.*int >= 1 or 'auto'"),
+        ({"ddtree_budget": "adaptive"}, {}, r"ddtree_budget.*'auto'"),
+        ({"ddtree_max_budget": 16}, {}, r"ddtree_max_budget.*only allowed with "
+                                        r"ddtree_budget='auto'.*ddtree_budget=15"),
+        ({"ddtree_budget": 8, "ddtree_max_budget": 16}, {}, r"ddtree_max_budget.*only allowed"),
+        ({"ddtree_budget": "auto", "ddtree_max_budget": 0}, {}, r"ddtree_max_budget.*int >= 1"),
+        ({"ddtree_budget": "auto", "ddtree_max_budget": 2.5}, {}, r"ddtree_max_budget"),
+        ({"ddtree_budget": "auto", "ddtree_max_budget": True}, {}, r"ddtree_max_budget"),
+        ({"ddtree_budget": "auto", "ddtree_max_budget": "64"}, {}, r"ddtree_max_budget"),
+        ({"ddtree_budget": "auto", "ddtree_max_budget": 6, "num_speculative_tokens": 1},
+         {"vocab_size": 5}, r"ddtree_max_budget'\]=6 is impossible.*only 5"),
+        ({"ddtree_budget": "auto", "ddtree_max_budget": 40}, {"max_num_batched_tokens": 32},
+         r"ddtree_max_budget'\]=40.*max_num_batched_tokens=32"),
+        ({"ddtree_budget": "auto", "ddtree_hybrid": "shadow_linear"}, {},
+         r"ddtree_budget'\]='auto' cannot be combined with ddtree_hybrid='shadow_linear'"),
+    ],
+)
+def test_auto_budget_bad_values_name_the_key(dflash_drafter, extra, kw, match):
+    with pytest.raises(DDTreeConfigError, match=match):
+        translate_speculative_config(spec(dflash_drafter, **extra), **kw)
+
+
+def test_auto_concurrency_warning_names_the_max_budget():
+    auto = DDTreeConfig(drafter="d", budget=64, drafter_horizon=15, block_size=16,
+                        auto_budget=True)
+    message = draft_concurrency_warning(auto, 2048, 256, "0.33.0")
+    assert "ddtree_max_budget=64" in message and "lower ddtree_max_budget" in message
+    assert "ddtree_budget=" not in message
+
+
+def test_auto_budget_is_refused_on_model_runner_v2(dflash_drafter):
+    """V2 verifies max(B, L) rows per request whatever the tree's size, so auto would save
+    nothing there yet: its speculator refuses it before building anything."""
+    from vllm_ddtree.runners.v2 import DDTreeSpeculator
+
+    _, cfg = translate_speculative_config(spec(dflash_drafter, ddtree_budget="auto"))
+    vllm_config = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: cfg.to_dict()})
+    with pytest.raises(DDTreeConfigError, match=r"'auto' runs on Model Runner V1 only"):
+        DDTreeSpeculator(vllm_config, device="cpu")

@@ -29,7 +29,15 @@ ADDITIONAL_CONFIG_KEY = "ddtree"
 HYBRID_MODES = ("oracle", "shadow_linear")
 
 #: Every ``ddtree_*`` key the speculative config accepts.
-DDTREE_KEYS = ("ddtree_budget", "ddtree_max_children", "ddtree_hybrid")
+DDTREE_KEYS = ("ddtree_budget", "ddtree_max_budget", "ddtree_max_children", "ddtree_hybrid")
+
+#: ``"ddtree_budget": "auto"``: the engine chooses each step's tree sizes (vllm_ddtree.budget).
+AUTO_BUDGET = "auto"
+
+#: Largest tree ``"auto"`` may choose when ``ddtree_max_budget`` is not given. Large enough for
+#: a GPU, where trees of hundreds of nodes can pay, to grow well past the fixed default (B = L);
+#: small enough that the ``max(B, L)`` slots vLLM reserves per request stay modest.
+DEFAULT_MAX_BUDGET = 64
 
 
 class DDTreeConfigError(ValueError):
@@ -42,12 +50,16 @@ class DDTreeConfig:
 
     Attributes:
         drafter: path or id of the DFlash drafter checkpoint.
-        budget: node budget B, the number of non-root draft-tree nodes verified per step (>= 1).
+        budget: node budget B, the number of non-root draft-tree nodes verified per step (>= 1);
+            with ``auto_budget`` the largest budget the controller may choose (``B_max``,
+            ``ddtree_max_budget``), which sizes vLLM's slots like a fixed B.
         drafter_horizon: L, the number of future positions one DFlash pass predicts
             (``num_speculative_tokens``; at most ``block_size - 1``).
         block_size: the drafter's DFlash block size (root + L mask tokens at most).
         max_children: optional cap on the children of any tree node (top-k per depth).
         hybrid: ``"oracle"`` or ``"shadow_linear"`` (how recurrent layers verify trees).
+        auto_budget: ``"ddtree_budget": "auto"``: each step's per-request tree size, in
+            ``[1, budget]``, comes from :class:`vllm_ddtree.budget.BudgetController`.
     """
 
     drafter: str
@@ -56,6 +68,7 @@ class DDTreeConfig:
     block_size: int
     max_children: int | None = None
     hybrid: str = "oracle"
+    auto_budget: bool = False
 
     @property
     def num_verify_slots(self) -> int:
@@ -157,8 +170,9 @@ def translate_speculative_config(
         validated settings.
 
     Raises:
-        DDTreeConfigError: no ``model``; unknown ``ddtree_*`` key; ``ddtree_budget`` < 1 or not
-            an int; ``num_speculative_tokens`` (L) < 1 or larger than the drafter's
+        DDTreeConfigError: no ``model``; unknown ``ddtree_*`` key; ``ddtree_budget`` neither an
+            int >= 1 nor ``"auto"``; ``ddtree_max_budget`` not an int >= 1, or given without
+            ``"auto"``; ``num_speculative_tokens`` (L) < 1 or larger than the drafter's
             ``block_size - 1``; bad ``ddtree_max_children`` / ``ddtree_hybrid``; a drafter that is
             not a DFlash checkpoint; a budget that cannot be filled (``vocab_size``) or
             scheduled (``max_num_batched_tokens``); ``num_speculative_tokens_per_batch_size``
@@ -199,10 +213,24 @@ def translate_speculative_config(
         )
 
     budget = spec.get("ddtree_budget", horizon)  # reference default: a chain-sized tree
-    if not _is_int(budget) or budget < 1:
+    auto = budget == AUTO_BUDGET
+    max_budget = spec.get("ddtree_max_budget")
+    if auto:
+        if max_budget is not None and (not _is_int(max_budget) or max_budget < 1):
+            raise DDTreeConfigError(
+                f"speculative_config['ddtree_max_budget'] (the largest node budget "
+                f"ddtree_budget='auto' may choose) must be an int >= 1, got {max_budget!r}"
+            )
+    elif max_budget is not None:
         raise DDTreeConfigError(
-            f"speculative_config['ddtree_budget'] (node budget B) must be an int >= 1, "
-            f"got {budget!r}"
+            "speculative_config['ddtree_max_budget'] is only allowed with "
+            f"ddtree_budget='auto' (got ddtree_budget={budget!r}); a fixed budget is its own "
+            "maximum"
+        )
+    elif not _is_int(budget) or budget < 1:
+        raise DDTreeConfigError(
+            f"speculative_config['ddtree_budget'] (node budget B) must be an int >= 1 or "
+            f"'auto', got {budget!r}"
         )
     max_children = spec.get("ddtree_max_children")
     if max_children is not None and (not _is_int(max_children) or max_children < 1):
@@ -216,6 +244,12 @@ def translate_speculative_config(
             f"speculative_config['ddtree_hybrid'] must be one of {list(HYBRID_MODES)}, "
             f"got {hybrid!r}"
         )
+    if auto and hybrid == "shadow_linear":
+        raise DDTreeConfigError(
+            "speculative_config['ddtree_budget']='auto' cannot be combined with "
+            "ddtree_hybrid='shadow_linear': that mode verifies only the top-1 chain, so no tree "
+            "size is chosen; use a fixed ddtree_budget"
+        )
     if spec.get("disable_padded_drafter_batch") is True:
         raise DDTreeConfigError(
             "speculative_config['disable_padded_drafter_batch']=True is not supported with "
@@ -227,19 +261,12 @@ def translate_speculative_config(
             "length) is not supported with method 'ddtree'; the node budget is "
             "'ddtree_budget'"
         )
-    if vocab_size is not None:
-        fillable = count_prefixes(vocab_size, horizon, max_children, budget)
-        if fillable < budget:
-            raise DDTreeConfigError(
-                f"speculative_config['ddtree_budget']={budget} is impossible: only {fillable} "
-                f"draft prefixes of depth <= L={horizon} exist (vocab {vocab_size}, "
-                f"ddtree_max_children={max_children})"
-            )
-    if max_num_batched_tokens is not None and budget + 1 > max_num_batched_tokens:
-        raise DDTreeConfigError(
-            f"speculative_config['ddtree_budget']={budget} needs {budget + 1} verification slots "
-            f"per request in one step, more than max_num_batched_tokens={max_num_batched_tokens}"
-        )
+    if auto:
+        budget = _auto_max_budget(max_budget, horizon, max_children, vocab_size,
+                                  max_num_batched_tokens)
+    else:
+        _check_fixed_budget("ddtree_budget", budget, horizon, max_children, vocab_size,
+                            max_num_batched_tokens)
 
     ddtree = DDTreeConfig(
         drafter=model,
@@ -248,11 +275,53 @@ def translate_speculative_config(
         block_size=block_size,
         max_children=max_children,
         hybrid=hybrid,
+        auto_budget=auto,
     )
     vllm_spec = {k: v for k, v in spec.items() if k not in DDTREE_KEYS}
     vllm_spec["method"] = "dflash"
     vllm_spec["num_speculative_tokens"] = ddtree.num_verify_slots
     return vllm_spec, ddtree
+
+
+def _check_fixed_budget(key: str, budget: int, horizon: int, max_children: int | None,
+                        vocab_size: int | None, max_num_batched_tokens: int | None) -> None:
+    """Refuse a budget (``ddtree_budget`` or ``ddtree_max_budget``, named by ``key``) that
+    cannot be filled with distinct prefixes or cannot fit in one scheduler step."""
+    if vocab_size is not None:
+        fillable = count_prefixes(vocab_size, horizon, max_children, budget)
+        if fillable < budget:
+            raise DDTreeConfigError(
+                f"speculative_config['{key}']={budget} is impossible: only {fillable} "
+                f"draft prefixes of depth <= L={horizon} exist (vocab {vocab_size}, "
+                f"ddtree_max_children={max_children})"
+            )
+    if max_num_batched_tokens is not None and budget + 1 > max_num_batched_tokens:
+        raise DDTreeConfigError(
+            f"speculative_config['{key}']={budget} needs {budget + 1} verification slots "
+            f"per request in one step, more than max_num_batched_tokens={max_num_batched_tokens}"
+        )
+
+
+def _auto_max_budget(max_budget: int | None, horizon: int, max_children: int | None,
+                     vocab_size: int | None, max_num_batched_tokens: int | None) -> int:
+    """``B_max`` for ``ddtree_budget='auto'``: a given ``ddtree_max_budget`` is checked like a
+    fixed budget (errors name it); the default, :data:`DEFAULT_MAX_BUDGET`, is lowered to what
+    the vocabulary can fill and one step can hold, since the user did not ask for that number."""
+    if max_budget is not None:
+        _check_fixed_budget("ddtree_max_budget", max_budget, horizon, max_children, vocab_size,
+                            max_num_batched_tokens)
+        return max_budget
+    cap = DEFAULT_MAX_BUDGET
+    if vocab_size is not None:
+        cap = count_prefixes(vocab_size, horizon, max_children, cap)
+    if max_num_batched_tokens is not None:
+        cap = min(cap, max_num_batched_tokens - 1)
+    if cap < 1:
+        raise DDTreeConfigError(
+            f"speculative_config['ddtree_budget']='auto' cannot run: max_num_batched_tokens="
+            f"{max_num_batched_tokens} leaves no room for one tree node per request"
+        )
+    return cap
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -294,12 +363,13 @@ def draft_concurrency_warning(ddtree: DDTreeConfig, max_num_batched_tokens: int,
     if cap is None:
         return None
     k = ddtree.num_verify_slots
+    key = "ddtree_max_budget" if ddtree.auto_budget else "ddtree_budget"
     return (
         f"DDTree: vLLM {vllm_version} runs at most {cap} requests at once here instead of "
         f"max_num_seqs={max_num_seqs}: max_num_batched_tokens={max_num_batched_tokens} // "
-        f"(num_speculative_tokens + 1), where num_speculative_tokens = max(ddtree_budget="
+        f"(num_speculative_tokens + 1), where num_speculative_tokens = max({key}="
         f"{ddtree.budget}, L={ddtree.drafter_horizon}) = {k}; raise max_num_batched_tokens to "
-        f"{max_num_seqs * (k + 1)} or lower ddtree_budget for more concurrency"
+        f"{max_num_seqs * (k + 1)} or lower {key} for more concurrency"
     )
 
 

@@ -741,6 +741,12 @@ REGISTER: list[Change] = [
     *_attrs("vllm.v1.core.sched.output:SchedulerOutput",
             "scheduled_spec_decode_tokens num_scheduled_tokens",
             "Which requests carry draft trees this step, and how many rows each has.", _P),
+    *_attrs("vllm.v1.core.sched.output:SchedulerOutput", "total_num_scheduled_tokens",
+            "The rows of each step, for ddtree_budget='auto''s step-cost model.", _P),
+    _c(f"{_RUNNER}:GPUModelRunner._get_draft_token_ids_cpu", "dependency",
+       "ddtree_budget='auto': the proposer returns one list of node tokens per request (each "
+       "tree its own size), which this method hands to the scheduler as is.",
+       both("(self)"), _PR),
     *_attrs("vllm.v1.spec_decode.metadata:SpecDecodeMetadata", "num_draft_tokens",
             "Node rows per request in the target's logits.", _P),
     *_attrs("vllm.v1.attention.backend:CommonAttentionMetadata", "max_seq_len",

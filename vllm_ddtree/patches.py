@@ -54,6 +54,8 @@ import torch
 from vllm_ddtree import integration
 from vllm_ddtree.config import (
     ADDITIONAL_CONFIG_KEY,
+    AUTO_BUDGET,
+    DEFAULT_MAX_BUDGET,
     DDTreeConfigError,
     check_drafter_on_v1_runner,
     draft_concurrency_warning,
@@ -218,8 +220,10 @@ def _create_engine_config(original: Callable) -> Callable:
             check_tree_attention_backend(self, current_platform_name())
             if self.enable_prefix_caching is not False:
                 check_hybrid_prefix_caching(self, self.create_model_config())
-            budget = (self.speculative_config or {}).get("ddtree_budget") if isinstance(
-                self.speculative_config, dict) else None
+            spec = self.speculative_config if isinstance(self.speculative_config, dict) else {}
+            budget = spec.get("ddtree_budget")
+            if budget == AUTO_BUDGET:  # the slots are sized by the largest tree auto may choose
+                budget = ("ddtree_max_budget", spec.get("ddtree_max_budget", DEFAULT_MAX_BUDGET))
             try:
                 config = original(self, *args, **kwargs)
             except ValueError as e:
@@ -260,11 +264,12 @@ def _slots_error_in(error: ValueError, budget: Any) -> DDTreeConfigError | None:
     text = str(error)
     if "enough slots" not in text:
         return None
+    key, value = budget if isinstance(budget, tuple) else ("ddtree_budget", budget)
     vllm_says = next((ln.strip() for ln in text.splitlines() if "enough slots" in ln), text)
     return DDTreeConfigError(
-        f"speculative_config['ddtree_budget']={budget!r} does not fit in one scheduler step: "
-        "DDTree verifies max(ddtree_budget, num_speculative_tokens) + 1 tokens per request and "
-        "step; lower ddtree_budget or raise max_num_batched_tokens (vLLM: "
+        f"speculative_config['{key}']={value!r} does not fit in one scheduler step: "
+        f"DDTree verifies max({key}, num_speculative_tokens) + 1 tokens per request and "
+        f"step; lower {key} or raise max_num_batched_tokens (vLLM: "
         f"{vllm_says})")
 
 
@@ -334,8 +339,9 @@ def _create_speculative_config(original: Callable) -> Callable:
         extra[ADDITIONAL_CONFIG_KEY] = ddtree.to_dict()
         self.additional_config = extra
         self.speculative_config = vllm_spec
-        logger.info("DDTree: node budget B=%d, drafter horizon L=%d, drafter %s",
-                    ddtree.budget, ddtree.drafter_horizon, ddtree.drafter)
+        logger.info("DDTree: node budget B=%s, drafter horizon L=%d, drafter %s",
+                    f"auto (1..{ddtree.budget})" if ddtree.auto_budget else ddtree.budget,
+                    ddtree.drafter_horizon, ddtree.drafter)
         return original(self, target_model_config, target_parallel_config)
 
     return create_speculative_config
@@ -508,6 +514,8 @@ def _prepare_inputs(original: Callable) -> Callable:
         from vllm_ddtree.step import plan_tree_step
 
         state.hybrid_done = False  # this step's target forward is still to come
+        state.step_index += 1
+        state.step_rows = int(scheduler_output.total_num_scheduled_tokens)
         num_reqs = self.input_batch.num_reqs
         req_ids = self.input_batch.req_ids[:num_reqs]
         trees = self.drafter.trees
@@ -635,6 +643,7 @@ def _sample(original: Callable) -> Callable:
         hybrid_ctx, state.hybrid_ctx = state.hybrid_ctx, None
         with self.drafter.ddtree_figures.timed("kv_compaction"):
             commit_tree_step(step, hybrid_ctx)
+        self.drafter.observe_verified(step)  # ddtree_budget="auto" learns what was accepted
         committed = self.optimistic_seq_lens_cpu[: self.input_batch.num_reqs].clone()
         for r in step.requests:
             committed[r.batch_index] = r.context_len + len(r.accepted)

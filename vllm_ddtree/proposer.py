@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import torch
 
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from vllm_ddtree.budget import BudgetController
 from vllm_ddtree.config import DDTreeConfig, count_prefixes, get_ddtree_config
 from vllm_ddtree.metrics import WorkerFigures
 from vllm_ddtree.shadow import ShadowAcceptance
+from vllm_ddtree.step import TreeStep, truncate_tree
 from vllm_ddtree.tree import DraftTree, build_draft_trees, chain_tree
 
 logger = logging.getLogger("vllm.ddtree")
@@ -40,6 +43,9 @@ class DDTreeProposer(DFlashProposer):
         trees: ``req_id -> DraftTree`` proposed in the last step and not yet verified.
         last_log_probs: ``[R, L, V]`` float32 drafter log-probs the last trees were built from
             (:meth:`build_trees`).
+        controller: ``ddtree_budget="auto"``: the :class:`~vllm_ddtree.budget.BudgetController`
+            choosing each request's tree size per step (``None`` for a fixed budget); its
+            ``stats``, ``chain_fallback`` and ``speculation_pays`` are what it decided.
 
     Raises:
         ValueError: the node budget cannot fit in one scheduled batch
@@ -73,14 +79,22 @@ class DDTreeProposer(DFlashProposer):
         )
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         if ddtree.budget + 1 > max_tokens or fillable < ddtree.budget:
+            key = "ddtree_max_budget" if ddtree.auto_budget else "ddtree_budget"
             raise ValueError(
-                f"speculative_config['ddtree_budget']={ddtree.budget} cannot run: it needs "
+                f"speculative_config['{key}']={ddtree.budget} cannot run: it needs "
                 f"{ddtree.budget + 1} slots per step (max_num_batched_tokens={max_tokens}) and "
                 f"{ddtree.budget} distinct draft prefixes ({fillable} exist)"
             )
+        self.controller: BudgetController | None = (
+            BudgetController(ddtree.budget) if ddtree.auto_budget and self.shadow is None
+            else None)
+        self._max_tokens = max_tokens
+        #: (engine step index, perf_counter) at the end of the last propose: auto's step timer.
+        self._last_propose: tuple[int, float] | None = None
         logger.info(
-            "DDTree proposer ready in pid %d: node budget B=%d, drafter horizon L=%d",
-            os.getpid(), ddtree.budget, ddtree.drafter_horizon,
+            "DDTree proposer ready in pid %d: node budget B=%s, drafter horizon L=%d",
+            os.getpid(), f"auto (1..{ddtree.budget})" if ddtree.auto_budget else ddtree.budget,
+            ddtree.drafter_horizon,
         )
 
     def load_model(self, target_model: Any) -> None:
@@ -113,7 +127,9 @@ class DDTreeProposer(DFlashProposer):
         Mirrors ``SpecDecodeBaseProposer.propose`` (vllm/v1/spec_decode/llm_base_proposer.py).
 
         Returns:
-            ``[R, B]`` int64 node tokens of each request's draft tree, in node (pop) order.
+            ``[R, B]`` int64 node tokens of each request's draft tree, in node (pop) order; with
+            ``ddtree_budget="auto"`` one list of node tokens per request, each of the size the
+            controller chose (:meth:`_propose_auto`).
         """
         L = self.ddtree.drafter_horizon
         super().propose(L, *args, **kwargs)
@@ -129,6 +145,8 @@ class DDTreeProposer(DFlashProposer):
         if self.shadow is not None:
             # The chain comes from the distributions the trees were built from.
             return self._propose_shadow(req_ids, self.last_log_probs, trees).to(logits.device)
+        if self.controller is not None:
+            return self._propose_auto(req_ids, trees)
         B = self.ddtree.budget
         out = torch.zeros(num_reqs, B, dtype=torch.int64)
         for i, (req_id, tree) in enumerate(zip(req_ids, trees)):
@@ -140,6 +158,54 @@ class DDTreeProposer(DFlashProposer):
             out[i] = tree.token_ids
             self.trees[req_id] = tree
         return out.to(logits.device)
+
+    def _propose_auto(self, req_ids: list[str], trees: list[DraftTree]) -> list[list[int]]:
+        """``ddtree_budget="auto"``: each tree cut to the size the controller chooses.
+
+        The trees were built at ``B_max``; a prefix of the pop order is the best-first tree of
+        that size (parents are popped before children), so only the size changes and the step
+        stays exact. Returned as one list per request (vLLM's V1 runner schedules a list of
+        any length, as for its n-gram drafter); each request then verifies its own number of
+        rows.
+        """
+        self._time_step()
+        # One step holds max_num_batched_tokens rows; below one node per request the scheduler
+        # decides who waits, so no cap is passed then.
+        cap = self._max_tokens if self._max_tokens >= 2 * len(req_ids) else None
+        budgets = self.controller.allocate(
+            req_ids, [t.path_log_probs for t in trees], token_budget=cap)
+        out = []
+        for req_id, tree, b in zip(req_ids, trees, budgets):
+            tree = truncate_tree(tree, b)
+            self.trees[req_id] = tree
+            out.append(tree.token_ids.tolist())
+        return out
+
+    def _time_step(self) -> None:
+        """Feed the controller's cost model: the time from the last propose to this one is one
+        engine step (scheduling, the target forward of the rows it verified, the drafter), when
+        the two calls belong to consecutive steps (an idle engine in between is not cost)."""
+        state = getattr(self._ddtree_runner, "_ddtree", None)
+        now = time.perf_counter()
+        index = getattr(state, "step_index", None)
+        rows = getattr(state, "step_rows", 0)
+        last, self._last_propose = self._last_propose, (index, now)
+        if index is not None and last is not None and last[0] == index - 1 and rows > 0:
+            self.controller.observe_step(rows, now - last[1])
+
+    def observe_verified(self, step: TreeStep) -> None:
+        """``ddtree_budget="auto"``: calibrate the controller with what this step accepted.
+
+        Args:
+            step: the verified step (``accepted`` set on every request); chains built from the
+                scheduled tokens rather than the proposer's tree carry no drafter probabilities
+                and are skipped.
+        """
+        if self.controller is None:
+            return
+        for r in step.requests:
+            if r.proposed and r.accepted:
+                self.controller.observe_tree(r.req_id, r.tree.path_log_probs, r.accepted)
 
     def build_trees(self, req_ids: list[str], log_probs: torch.Tensor) -> list[DraftTree]:
         """Best-first draft trees (paper Alg. 1), one per request.
@@ -175,5 +241,7 @@ class DDTreeProposer(DFlashProposer):
         """Drop trees of requests that are gone (finished or aborted)."""
         for req_id in [r for r in self.trees if r not in live_req_ids]:
             del self.trees[req_id]
+        if self.controller is not None:
+            self.controller.forget(live_req_ids)
         if self.shadow is not None:
             self.shadow.forget(live_req_ids)

@@ -58,8 +58,11 @@ class StepRequest:
         root_row: flat token row of the root (bonus) token; node ``i`` is row ``root_row + i``.
         context_len: committed tokens before the root (the root's position).
         tree: the (possibly truncated) draft tree; ``tree.num_nodes`` = scheduled drafts.
-        is_tree: False when verified as a plain chain (no matching tree was proposed).
+        is_tree: False when verified as a plain chain (no matching tree was proposed, or the
+            proposed tree is chain-shaped).
         accepted: node indices of the accepted path (set by verification), starting with 0.
+        proposed: ``tree`` is (a prefix of) the proposer's tree, so its ``path_log_probs`` are
+            the drafter's; False for a chain built from the scheduled tokens (log-probs 0).
     """
 
     req_id: str
@@ -69,6 +72,7 @@ class StepRequest:
     tree: DraftTree
     is_tree: bool
     accepted: list[int] = field(default_factory=list)
+    proposed: bool = True
 
     @property
     def num_rows(self) -> int:
@@ -200,6 +204,7 @@ def lay_out_step(
             s.tokens is None or tree.token_ids[:n].tolist() == list(s.tokens)[:n])
         if s.tokens is not None and is_tree and s.num_drafts > n:
             is_tree = False  # V1 schedules the proposer's list: more tokens means another list
+        proposed = is_tree
         if is_tree:
             tree = truncate_tree(tree, n)
             is_tree = not _is_chain(tree)
@@ -207,8 +212,8 @@ def lay_out_step(
             if s.tokens is None:
                 raise ValueError(f"request {s.req_id}: no draft tree and no draft tokens")
             tree = chain_tree(torch.tensor(list(s.tokens), dtype=torch.long))
-        requests.append(
-            StepRequest(s.req_id, s.batch_index, s.root_row, s.context_len, tree, is_tree))
+        requests.append(StepRequest(s.req_id, s.batch_index, s.root_row, s.context_len, tree,
+                                    is_tree, proposed=proposed))
     if not requests:
         return None
 

@@ -19,7 +19,7 @@ import torch
 class VerificationRecorder:
     """Records every verified tree step: request ids, trees, accepted paths and node logits.
 
-    ``records`` holds dicts with ``req_id``, ``context_len``, ``tree`` (DraftTree), ``is_tree``,
+    ``records`` holds dicts with ``step`` (0, 1, … per verified step), ``req_id``, ``context_len``, ``tree`` (DraftTree), ``is_tree``,
     ``accepted`` (list[int]), ``logits`` (``[n + 1, V]`` float32 CPU tensor, node order) and
     ``context_hidden``: per tapped layer, the ``[k + 1, H]`` hidden-state rows the next DFlash
     pass reads for this request after the commit (root + accepted path, path order).
@@ -27,6 +27,7 @@ class VerificationRecorder:
 
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
+        self.num_steps = 0
 
     def __call__(self, step: Any, logits: torch.Tensor, num_draft_tokens: Sequence[int]) -> None:
         """Record one committed step.
@@ -45,6 +46,7 @@ class VerificationRecorder:
             lo = starts[r.batch_index]
             k1 = len(r.accepted)
             self.records.append(dict(
+                step=self.num_steps,
                 req_id=r.req_id,
                 context_len=r.context_len,
                 tree=r.tree,
@@ -54,6 +56,7 @@ class VerificationRecorder:
                 context_hidden=[h[r.root_row : r.root_row + k1].float().cpu().clone()
                                 for h in aux],
             ))
+        self.num_steps += 1
 
 
 @contextlib.contextmanager

@@ -34,6 +34,9 @@ class V1EngineState:
         discarded_generators: CPU: ``batch index -> (generator, state)`` of the seeded requests
             whose sample this step discards (a prefill chunk that is not the last), saved before
             sampling and restored in ``_bookkeeping_sync`` (see :func:`save_discarded_generators`).
+        step_index: engine steps prepared so far (``ddtree_budget="auto"`` times consecutive
+            steps only).
+        step_rows: rows (tokens) scheduled in the current step, for auto's cost model.
     """
 
     config: DDTreeConfig
@@ -46,6 +49,8 @@ class V1EngineState:
     committed_max: int | None = None
     discarded_generators: dict[int, tuple[torch.Generator, torch.Tensor]] = field(
         default_factory=dict)
+    step_index: int = 0
+    step_rows: int = 0
 
 
 def engine_state(runner: Any) -> V1EngineState | None:

@@ -72,13 +72,21 @@ class DDTreeSpeculator(DFlashSpeculator):
         last_log_probs: ``[R, L, V]`` float32 drafter log-probs of the last pass.
 
     Raises:
-        DDTreeConfigError: the budget cannot run with these scheduler settings.
+        DDTreeConfigError: the budget cannot run with these scheduler settings, or
+            ``ddtree_budget="auto"`` (V1 only for now).
     """
 
     def __init__(self, vllm_config: Any, device: torch.device):
         ddtree = get_ddtree_config(vllm_config)
         if ddtree is None:
             raise ValueError("DDTreeSpeculator needs additional_config['ddtree']")
+        if ddtree.auto_budget:
+            # V2 lays out K = max(B, L) draft rows for every request whatever the tree's size,
+            # so a smaller tree would save nothing; the controller needs per-request row counts.
+            raise DDTreeConfigError(
+                "speculative_config['ddtree_budget']='auto' runs on Model Runner V1 only for "
+                "now (Model Runner V2 verifies max(B, L) rows per request whatever the tree's "
+                "size); set a fixed ddtree_budget, or VLLM_USE_V2_MODEL_RUNNER=0")
         self.ddtree: DDTreeConfig = ddtree
         #: Recurrent layers run the sequential tree oracle (every speculative row of the target).
         self.hybrid = bool(getattr(vllm_config.model_config, "is_hybrid", False))

@@ -1,0 +1,347 @@
+"""``"ddtree_budget": "auto"``: the runner-independent controller on synthetic numbers."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+
+import pytest
+import torch
+
+from vllm_ddtree.budget import (
+    AcceptanceCalibrator,
+    BudgetController,
+    StepCostModel,
+    allocate_budgets,
+    marginal_values,
+)
+from vllm_ddtree.step import truncate_tree
+from vllm_ddtree.tree import build_draft_tree, follow_tree, validate_draft_tree
+
+
+def geometric(r: float, n: int = 64) -> torch.Tensor:
+    """Marginal values of a drafter whose j-th node is reached with probability r**j."""
+    return torch.tensor([r ** j for j in range(1, n + 1)], dtype=torch.float64)
+
+
+def flat(rows):  # GPU-like: verifying a few hundred rows costs as much as one
+    return 0.02
+
+
+def cpu_like(rows):  # cost linear in verified rows, small fixed part
+    return 0.002 + 0.004 * rows
+
+
+# ------------------------------------------------------------------ allocation
+
+
+def test_flat_cost_gives_large_trees():
+    a = allocate_budgets([geometric(0.9)], flat, max_budget=64)
+    assert a.budgets == [64] and not a.chain_fallback and a.speculation_pays
+    a = allocate_budgets([geometric(0.9)] * 4, flat, max_budget=32)
+    assert a.budgets == [32] * 4
+
+
+def test_linear_cost_gives_small_trees():
+    small = allocate_budgets([geometric(0.9)], cpu_like, max_budget=64).budgets[0]
+    large = allocate_budgets([geometric(0.9)], flat, max_budget=64).budgets[0]
+    assert 1 <= small <= 4 < large
+    # Steeper cost per row: never a larger tree.
+    sizes = [allocate_budgets([geometric(0.9)], lambda t, s=s: 0.01 + s * t, 64).budgets[0]
+             for s in (0.0, 1e-4, 1e-3, 1e-2)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] == 64 and sizes[-1] < sizes[1]
+
+
+def _rate(values, budgets, cost):
+    """Expected committed tokens per second of a step with these budgets."""
+    exp = sum(1 + float(v[:b].sum()) for v, b in zip(values, budgets))
+    return exp / float(cost(sum(1 + b for b in budgets)))
+
+
+def test_mixed_batch_shares_the_budget_by_marginal_value():
+    confident, unsure = geometric(0.95, 24), geometric(0.3, 24)
+    cost = lambda t: 0.05 + 0.002 * t  # noqa: E731
+    a = allocate_budgets([confident, unsure], cost, max_budget=24)
+    assert a.budgets[0] > a.budgets[1] >= 1
+    # Optimal over every pair of budgets (brute force).
+    best = max(itertools.product(range(1, 25), repeat=2),
+               key=lambda bs: _rate([confident, unsure], bs, cost))
+    assert _rate([confident, unsure], a.budgets, cost) == pytest.approx(
+        _rate([confident, unsure], best, cost), rel=1e-12)
+    # The last node given to either is worth at least the first node refused to either.
+    given = min(confident[a.budgets[0] - 1], unsure[a.budgets[1] - 1])
+    refused = max(confident[a.budgets[0]], unsure[a.budgets[1]])
+    assert given >= refused
+
+
+def test_token_budget_and_caps():
+    vals = [geometric(0.99)] * 3
+    a = allocate_budgets(vals, flat, max_budget=64, token_budget=50, extra_tokens=5)
+    assert a.tokens == 5 + sum(1 + b for b in a.budgets) <= 50
+    assert a.tokens == 50  # flat cost: fill the step
+    # A tree cannot be larger than the nodes its builder found, nor than B_max.
+    a = allocate_budgets([geometric(0.9, 3), geometric(0.9, 64)], flat, max_budget=10)
+    assert a.budgets == [3, 10]
+    assert a.expected_accepted[0] == pytest.approx(float(geometric(0.9, 3).sum()))
+
+
+def test_no_tree_pays_falls_back_to_the_chain():
+    # Cost proportional to rows with no fixed part: one token per row is target-only's rate,
+    # and no draft is reached with probability 1.
+    a = allocate_budgets([geometric(0.5)] * 8, lambda t: 0.001 * t, max_budget=64)
+    assert a.chain_fallback and a.budgets == [1] * 8 and not a.speculation_pays
+    # A fixed part big enough makes small trees pay again.
+    a = allocate_budgets([geometric(0.5)] * 8, lambda t: 0.05 + 0.001 * t, max_budget=64)
+    assert not a.chain_fallback and a.speculation_pays
+
+
+@pytest.mark.parametrize("values, kw, match", [
+    ([], {}, r"values is empty"),
+    ([torch.tensor([0.5, 0.6], dtype=torch.float64)], {}, r"non-increasing"),
+    ([torch.tensor([float("nan")])], {}, r"probabilities"),
+    ([torch.tensor([1.5])], {}, r"probabilities"),
+    ([torch.tensor([], dtype=torch.float64)], {}, r"at least one node"),
+    ([torch.tensor([1, 0])], {}, r"1-D float"),
+    ([[0.5]], {}, r"1-D float"),
+    ([geometric(0.5)], {"max_budget": 0}, r"max_budget"),
+    ([geometric(0.5)] * 4, {"token_budget": 7}, r"token_budget=7 is too small"),
+    ([geometric(0.5)], {"extra_tokens": -1}, r"extra_tokens"),
+    ([geometric(0.5)], {"step_seconds": lambda t: 0.0}, r"positive finite"),
+    ([geometric(0.5)], {"step_seconds": lambda t: float("nan")}, r"positive finite"),
+])
+def test_allocation_refuses_bad_input(values, kw, match):
+    args = {"step_seconds": flat, "max_budget": 8, **kw}
+    with pytest.raises(ValueError, match=match):
+        allocate_budgets(values, **args)
+
+
+# ------------------------------------------------------------------ marginal values
+
+
+def test_marginal_values_are_the_trees_path_probabilities_and_sum_to_expected_acceptance():
+    g = torch.Generator().manual_seed(0)
+    L, V = 4, 6
+    lp = torch.log_softmax(torch.randn(L, V, generator=g) * 2, -1)
+    tree = build_draft_tree(lp, 40)
+    v = marginal_values(tree.path_log_probs)
+    assert v.shape == (40,) and bool((v[1:] <= v[:-1]).all())
+    assert torch.allclose(v, tree.path_log_probs[1:].double().exp())
+    # Every prefix of the pop order is a valid tree (what a smaller budget verifies).
+    for b in (1, 7, 23):
+        validate_draft_tree(truncate_tree(tree, b))
+    # Paper's objective: if the target draws from the drafter's distribution, the expected
+    # accepted length of the first b nodes is the sum of their path probabilities.
+    n = 8000
+    draws = torch.multinomial(lp.exp(), n, replacement=True, generator=g)  # [L, n]
+    for b in (5, 40):
+        small = truncate_tree(tree, b)
+        depth_of = small.depths.tolist()
+        total = 0
+        for s in range(n):
+            # The walk reads the target's choice at a node of depth d from depth d + 1's draw.
+            choices = [int(draws[d, s]) if d < L else 0 for d in depth_of]
+            total += len(follow_tree(small, choices)[0]) - 1
+        assert total / n == pytest.approx(float(v[:b].sum()), abs=0.06)
+
+
+def test_marginal_values_refuse_bad_input():
+    with pytest.raises(ValueError, match="path_log_probs"):
+        marginal_values(torch.zeros(0))
+    with pytest.raises(ValueError, match="path_log_probs"):
+        marginal_values(torch.zeros(2, 2))
+
+
+# ------------------------------------------------------------------ calibration
+
+
+def test_calibration_starts_at_the_drafter_and_moves_toward_observed_acceptance():
+    cal = AcceptanceCalibrator(prior_weight=2.0, decay=1.0)
+    q = torch.full((10,), 0.6, dtype=torch.float64)
+    assert float(cal.calibrate(q[:1])[0]) == pytest.approx(0.6)  # no data: trust the drafter
+    seen = []
+    for _ in range(30):  # the drafter says 0.6, the target accepts 20 %
+        acc = torch.zeros(10, dtype=torch.bool)
+        acc[:2] = True
+        cal.observe(q, acc)
+        seen.append(float(cal.calibrate(q[:1])[0]))
+    assert all(b < a for a, b in zip(seen, seen[1:]))
+    assert seen[-1] == pytest.approx(0.6 * (60 + 2) / (180 + 2))
+    assert abs(seen[-1] - 0.2) < 0.01
+    # Within a bucket the drafter's order is kept (the ratio scales both).
+    hi, lo = cal.calibrate(torch.tensor([0.9, 0.55]))
+    assert hi / lo == pytest.approx(0.9 / 0.55)
+    # An over-cautious drafter is raised toward what is accepted.
+    cal2 = AcceptanceCalibrator(decay=1.0)
+    low = torch.full((50,), 0.1, dtype=torch.float64)
+    cal2.observe(low, torch.ones(50, dtype=torch.bool))
+    assert float(cal2.calibrate(low[:1])[0]) > 0.7
+    # Other buckets are untouched.
+    assert float(cal2.calibrate(torch.tensor([0.6]))[0]) == pytest.approx(0.6)
+
+
+def test_marginal_values_stay_sorted_under_contradictory_calibration():
+    cal = AcceptanceCalibrator(decay=1.0)
+    # A low-q bucket accepted far more than the one above it.
+    cal.observe(torch.full((100,), 0.3, dtype=torch.float64), torch.zeros(100, dtype=torch.bool))
+    cal.observe(torch.full((100,), 0.1, dtype=torch.float64), torch.ones(100, dtype=torch.bool))
+    raw = cal.calibrate(torch.tensor([0.3, 0.1]))
+    assert raw[1] > raw[0]  # the map itself is not monotone across the bucket edge
+    v = marginal_values(torch.log(torch.tensor([1.0, 0.3, 0.1])), cal)
+    assert v[1] == v[0] == pytest.approx(float(raw[0]))  # never above a node popped earlier
+    lp = torch.log_softmax(torch.randn(5, 8, generator=torch.Generator().manual_seed(1)), -1)
+    v = marginal_values(build_draft_tree(lp, 30).path_log_probs, cal)
+    assert bool((v[1:] <= v[:-1]).all())
+
+
+def test_decay_forgets_old_steps():
+    cal = AcceptanceCalibrator(prior_weight=1.0, decay=0.9)
+    q = torch.full((20,), 0.6, dtype=torch.float64)
+    for _ in range(50):
+        cal.observe(q, torch.ones(20, dtype=torch.bool))
+    for _ in range(50):
+        cal.observe(q, torch.zeros(20, dtype=torch.bool))
+    assert float(cal.calibrate(q[:1])[0]) < 0.05
+
+
+@pytest.mark.parametrize("args, match", [
+    ((torch.tensor([0.5]), torch.tensor([1])), r"bool"),
+    ((torch.tensor([0.5, 0.2]), torch.tensor([True])), r"equal length"),
+    ((torch.tensor([1.5]), torch.tensor([True])), r"\[0, 1\]"),
+    ((torch.tensor([float("nan")]), torch.tensor([True])), r"\[0, 1\]"),
+    (([0.5], [True]), r"torch tensors"),
+])
+def test_calibrator_refuses_bad_observations(args, match):
+    with pytest.raises(ValueError, match=match):
+        AcceptanceCalibrator().observe(*args)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"num_buckets": 0}, "num_buckets"), ({"prior_weight": 0}, "prior_weight"),
+    ({"decay": 1.5}, "decay"), ({"decay": 0}, "decay"),
+])
+def test_calibrator_refuses_bad_settings(kw, match):
+    with pytest.raises(ValueError, match=match):
+        AcceptanceCalibrator(**kw)
+
+
+# ------------------------------------------------------------------ step cost
+
+
+def test_cost_model_prior_then_fit():
+    m = StepCostModel(prior_intercept=0.03, prior_slope=0.0)
+    assert m.coefficients() == pytest.approx((0.03, 0.0))
+    g = torch.Generator().manual_seed(0)
+    for t in [8, 16, 32, 64] * 16:
+        noise = float(torch.randn(1, generator=g)) * 1e-4
+        m.observe(t, 0.01 + 0.001 * t + noise)
+    a, b = m.coefficients()
+    assert a == pytest.approx(0.01, rel=0.05) and b == pytest.approx(0.001, rel=0.02)
+    assert m.seconds(100) == pytest.approx(a + 100 * b)
+    assert torch.allclose(m.seconds(torch.tensor([1.0, 2.0])),
+                          torch.tensor([a + b, a + 2 * b], dtype=torch.float64))
+    assert m.num_observations == m.window == 64 and m.spread() == 8.0
+
+
+def test_cost_model_floors():
+    m = StepCostModel(min_intercept=1e-3)
+    for t in [10, 20, 40]:  # cost falls with size: never a negative slope
+        m.observe(t, 0.05 - 0.001 * t)
+    assert m.coefficients()[1] == 0.0
+    m = StepCostModel(min_intercept=1e-3)
+    for t in [10, 20, 40]:  # pure proportional cost: intercept floored, slope kept
+        m.observe(t, 0.001 * t)
+    a, b = m.coefficients()
+    assert a == 1e-3 and b == pytest.approx(0.001, rel=0.1)
+    # One size only: the slope stays at the prior (not identified).
+    m = StepCostModel(prior_slope=0.0)
+    for _ in range(10):
+        m.observe(16, 0.05)
+    assert m.coefficients()[1] == pytest.approx(0.0, abs=1e-6) and m.spread() == 1.0
+
+
+@pytest.mark.parametrize("tokens, seconds, match", [
+    (0, 0.1, "tokens"), (1.5, 0.1, "tokens"), (4, 0.0, "seconds"), (4, float("inf"), "seconds"),
+    (4, "x", "seconds"),
+])
+def test_cost_model_refuses_bad_observations(tokens, seconds, match):
+    with pytest.raises(ValueError, match=match):
+        StepCostModel().observe(tokens, seconds)
+
+
+# ------------------------------------------------------------------ controller
+
+
+def _simulate(step_cost, steps=200, num_reqs=2, seed=0):
+    """Run the controller against a synthetic engine: the drafter's path probabilities of a
+    geometric tree, a target that accepts each node with its calibrated probability (here half
+    the drafter's: the drafter is over-confident), and a step time from ``step_cost``."""
+    g = torch.Generator().manual_seed(seed)
+    ctl = BudgetController(max_budget=64, probe_every=8)
+    plp = torch.cat((torch.zeros(1), torch.log(geometric(0.97, 64)).float()))  # chain-shaped
+    ids = [f"r{i}" for i in range(num_reqs)]
+    for _ in range(steps):
+        budgets = ctl.allocate(ids, [plp] * num_reqs)
+        rows = sum(1 + b for b in budgets)
+        for r, b in zip(ids, budgets):
+            # Chain-shaped tree: accepted depth a with P(a >= j) = 0.5 * 0.97**j.
+            u = float(torch.rand(1, generator=g))
+            a = sum(1 for j in range(1, b + 1) if u < 0.5 * 0.97 ** j)
+            ctl.observe_tree(r, plp[: b + 1], list(range(a + 1)))
+        ctl.observe_step(rows, step_cost(rows))
+    return ctl
+
+
+@pytest.mark.parametrize("name, step_cost", [
+    ("gpu", lambda rows: 0.02),                     # flat: the largest trees
+    ("mixed", lambda rows: 0.01 + 0.002 * rows),     # fixed part and a slope: mid-sized trees
+    ("cpu", lambda rows: 0.002 + 0.004 * rows),      # nearly proportional: nothing pays
+])
+def test_controller_learns_the_cost_online_and_reaches_the_optimum(name, step_cost):
+    ctl = _simulate(step_cost)
+    # What the controller would choose knowing the true reach probabilities and cost.
+    truth = [0.5 * geometric(0.97)] * 2
+    best = allocate_budgets(truth, step_cost, 64)
+    got = ctl.stats.last_budgets
+    assert _rate(truth, got, step_cost) >= 0.98 * _rate(truth, best.budgets, step_cost)
+    if name == "gpu":
+        assert got == [64, 64] and ctl.cost.coefficients()[1] == 0.0
+    elif name == "mixed":
+        assert 4 <= min(got) <= max(got) <= 16
+        assert ctl.cost.coefficients() == pytest.approx((0.01, 0.002), rel=0.05)
+    else:
+        assert got == [1, 1] and ctl.chain_fallback and not ctl.speculation_pays
+    # Calibration learned that the drafter is over-confident (reach 0.5 * q).
+    q = torch.tensor([0.97 ** 2])
+    assert float(ctl.calibrator.calibrate(q)[0]) == pytest.approx(0.5 * 0.97 ** 2, abs=0.08)
+    # Predicted vs observed accepted drafts (what the metrics report) agree once calibrated.
+    s = ctl.stats
+    assert s.trees == 400 and s.observed_accepted > 0
+    assert s.predicted_accepted == pytest.approx(s.observed_accepted, rel=0.25)
+
+
+def test_controller_chain_fallback_flag_and_single_log(caplog):
+    ctl = BudgetController(max_budget=16, cost=StepCostModel(prior_intercept=1e-4),
+                           probe_every=0)
+    for _ in range(20):  # proportional cost, no fixed part: nothing pays
+        ctl.observe_step(4, 0.004)
+        ctl.observe_step(8, 0.008)
+    plp = torch.cat((torch.zeros(1), torch.log(geometric(0.5, 16)).float()))
+    with caplog.at_level(logging.WARNING, logger="vllm.ddtree"):
+        for _ in range(5):
+            assert ctl.allocate(["a", "b"], [plp, plp]) == [1, 1]
+    assert ctl.chain_fallback and not ctl.speculation_pays
+    assert ctl.stats.chain_fallback_steps == 5
+    logs = [r for r in caplog.records if "no tree larger than one node pays" in r.message]
+    assert len(logs) == 1 and "turning speculative decoding off" in logs[0].message
+
+
+def test_controller_refuses_bad_input():
+    with pytest.raises(ValueError, match="max_budget"):
+        BudgetController(max_budget=0)
+    ctl = BudgetController(max_budget=4)
+    with pytest.raises(ValueError, match="2 req_ids but 1 trees"):
+        ctl.allocate(["a", "b"], [torch.zeros(3)])
+    with pytest.raises(ValueError, match="outside a tree of 2 nodes"):
+        ctl.observe_tree("a", torch.zeros(3), [0, 3])
+    assert math.isfinite(ctl.cost.seconds(10))

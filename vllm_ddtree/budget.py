@@ -1,0 +1,607 @@
+"""``"ddtree_budget": "auto"``: each step's per-request tree size from the drafter's confidence
+and the measured cost of verification (pure Python / torch; no vLLM import, runner-independent).
+
+Why this works (paper §4, Ringel & Romano 2026, arXiv 2604.12989): for a prefix-closed draft
+tree, the expected number of accepted drafts is the sum, over its nodes, of the probability that
+the accepted path reaches the node. Under the drafter's own distribution that probability is the
+node's *path probability* ``q`` (the product of its tokens' per-depth probabilities), and the
+best-first construction pops nodes in non-increasing ``q`` with parents first. So every prefix of
+the pop order is a valid tree, and the ``j``-th popped node's value is the expected accepted
+length it adds: a request's *marginal values* are its nodes' reach probabilities in pop order.
+
+Three pieces, each usable alone:
+
+* :class:`AcceptanceCalibrator` maps the drafter's ``q`` to the probability that is actually
+  observed (the drafter is rarely calibrated against the target), online, per probability bucket,
+  with the drafter's own ``q`` as the prior. The idea of calibrating draft confidence online
+  against what the target accepted is that of vLLM V2's ``OnlineAcceptanceEstimator``
+  (``vllm/v1/worker/gpu/spec_decode/acceptance_estimator.py``: a logistic fit of per-position
+  acceptance on the drafter's max-probability log-odds, damped by sample counts). Here the label
+  is per tree node (on the accepted path or not) and the feature is the node's path probability,
+  which is what the tree objective sums.
+* :class:`StepCostModel` learns the wall time of one engine step as an affine function of the
+  tokens verified in it, by ridge-regularised least squares on a window of recent steps.
+* :func:`allocate_budgets` chooses every request's budget for a step to maximise expected
+  committed tokens per second of the whole step; :class:`BudgetController` ties the three
+  together and keeps the decision a metrics logger can read, including the chain fallback flag.
+
+Only the tree's size changes: whatever budget is chosen, the step is an exact DDTree step, so
+outputs stay equal to target-only decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "AcceptanceCalibrator",
+    "Allocation",
+    "BudgetController",
+    "StepCostModel",
+    "allocate_budgets",
+    "marginal_values",
+]
+
+logger = logging.getLogger("vllm.ddtree")
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_pos_float(name: str, value: object, allow_zero: bool = False) -> float:
+    try:
+        v = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, "
+                         f"got {value!r}")
+    return v
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+class AcceptanceCalibrator:
+    """Online map from a node's drafter path probability ``q`` to its observed reach probability.
+
+    Nodes are binned by ``q`` into log-spaced buckets (bucket ``k`` holds
+    ``q in (2**-(k+1), 2**-k]``; the last bucket everything smaller). Each bucket keeps decayed
+    sums over verified nodes of ``hits`` (the node was on the accepted path) and ``q_sum`` (the
+    drafter's probabilities, i.e. the hits the drafter expected). A node's calibrated value is
+    its own ``q`` times its bucket's ratio::
+
+        p(q) = min(1, q * r_k),   r_k = (hits_k + w) / (q_sum_k + w)
+
+    ``r_k`` is the observed-over-expected hit ratio with ``w = prior_weight`` pseudo-hits at
+    ratio 1: with no data the drafter is trusted (``p = q``), and every verified tree moves the
+    ratio toward what the target accepted. A ratio rather than a per-bucket rate keeps the order
+    of nodes within a bucket (a bucket spans a factor of two in ``q``, and the top one holds the
+    nodes that matter most). ``decay`` (< 1) forgets old steps so the estimate follows a drifting
+    workload.
+
+    Ratios of neighbouring buckets may differ, so ``p`` need not be monotone in ``q`` across a
+    bucket edge; :func:`marginal_values` restores the non-increasing order along a tree's pop
+    order, which :func:`allocate_budgets` needs.
+
+    Args:
+        num_buckets: number of probability buckets (>= 1).
+        prior_weight: pseudo-hits at ratio 1 per bucket (> 0).
+        decay: factor applied to all sums before each :meth:`observe` call, in ``(0, 1]``.
+
+    Raises:
+        ValueError: an argument out of range.
+    """
+
+    def __init__(self, num_buckets: int = 24, prior_weight: float = 2.0, decay: float = 0.999):
+        self.num_buckets = _check_int("num_buckets", num_buckets, 1)
+        self.prior_weight = _check_pos_float("prior_weight", prior_weight)
+        self.decay = _check_pos_float("decay", decay)
+        if self.decay > 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+        self.n = torch.zeros(num_buckets, dtype=torch.float64)
+        self.hits = torch.zeros(num_buckets, dtype=torch.float64)
+        self.q_sum = torch.zeros(num_buckets, dtype=torch.float64)
+
+    def bucket_of(self, q: torch.Tensor) -> torch.Tensor:
+        """Bucket index per probability.
+
+        Args:
+            q: float tensor of probabilities in ``[0, 1]`` (any shape).
+
+        Returns:
+            int64 tensor of the same shape, values ``0 .. num_buckets - 1``.
+        """
+        with torch.no_grad():
+            lg = -torch.log2(q.double().clamp(min=1e-300, max=1.0))
+            return lg.floor().clamp(0, self.num_buckets - 1).long()
+
+    def observe(self, path_probs: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Fold one verified tree (or several, concatenated) into the estimates.
+
+        Args:
+            path_probs: ``[n]`` float, each verified non-root node's drafter path probability
+                ``q`` (``exp(DraftTree.path_log_probs[1:])``), values in ``[0, 1]``.
+            accepted: ``[n]`` bool, the node is on the accepted path.
+
+        Raises:
+            ValueError: shapes differ or are not 1-D, ``accepted`` is not bool, or a probability
+                is NaN or outside ``[0, 1]``.
+        """
+        q, a = _check_observation(path_probs, accepted)
+        self.n.mul_(self.decay)
+        self.hits.mul_(self.decay)
+        self.q_sum.mul_(self.decay)
+        if q.numel():
+            b = self.bucket_of(q)
+            self.n.index_add_(0, b, torch.ones_like(q))
+            self.hits.index_add_(0, b, a.double())
+            self.q_sum.index_add_(0, b, q)
+
+    def ratios(self) -> torch.Tensor:
+        """``[num_buckets]`` float64 observed-over-expected hit ratio per bucket (1 before data)."""
+        w = self.prior_weight
+        return (self.hits + w) / (self.q_sum + w)
+
+    def calibrate(self, path_probs: torch.Tensor) -> torch.Tensor:
+        """Calibrated reach probability of each node, ``min(1, q * r_bucket(q))``.
+
+        Args:
+            path_probs: float tensor of drafter path probabilities in ``[0, 1]`` (any shape).
+
+        Returns:
+            float64 tensor of the same shape, values in ``[0, 1]``.
+        """
+        q = path_probs.double()
+        return (q * self.ratios()[self.bucket_of(q)]).clamp(0.0, 1.0)
+
+
+def _check_observation(path_probs: object, accepted: object) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(path_probs, torch.Tensor) or not isinstance(accepted, torch.Tensor):
+        raise ValueError("path_probs and accepted must be torch tensors")
+    if path_probs.dim() != 1 or accepted.shape != path_probs.shape:
+        raise ValueError(f"path_probs [n] and accepted [n] must be 1-D of equal length, got "
+                         f"{tuple(path_probs.shape)} and {tuple(accepted.shape)}")
+    if accepted.dtype != torch.bool:
+        raise ValueError(f"accepted must be a bool tensor, got {accepted.dtype}")
+    q = path_probs.detach().double().cpu()
+    if bool(torch.isnan(q).any()) or bool((q < 0).any()) or bool((q > 1).any()):
+        raise ValueError("path_probs must be probabilities in [0, 1] (pass exp(path log-probs))")
+    return q, accepted.detach().cpu()
+
+
+def marginal_values(path_log_probs: torch.Tensor,
+                    calibrator: AcceptanceCalibrator | None = None) -> torch.Tensor:
+    """A request's marginal values: the expected accepted length each popped node adds.
+
+    Args:
+        path_log_probs: ``[n + 1]`` float, ``DraftTree.path_log_probs`` (root first, nodes in
+            best-first pop order, so non-increasing after the root).
+        calibrator: maps drafter probabilities to observed ones; ``None`` uses the drafter's own.
+
+    Returns:
+        ``[n]`` float64, non-increasing: value ``j`` is node ``j + 1``'s reach probability.
+        Summing the first ``b`` gives the expected accepted drafts of the ``b``-node tree.
+
+    Raises:
+        ValueError: not a 1-D float tensor with the root first.
+    """
+    if (not isinstance(path_log_probs, torch.Tensor) or path_log_probs.dim() != 1
+            or not path_log_probs.is_floating_point() or path_log_probs.numel() == 0):
+        raise ValueError("path_log_probs must be a non-empty 1-D float tensor [n + 1] "
+                         "(DraftTree.path_log_probs, root first)")
+    q = path_log_probs[1:].detach().double().cpu().exp().clamp(0.0, 1.0)
+    v = q if calibrator is None else calibrator.calibrate(q)
+    # Pop order is non-increasing in q, but calibration ratios can jump up at a bucket edge
+    # (and sums round): a node is never worth more than one popped before it, which keeps the
+    # values sorted for the allocation without raising any estimate.
+    return torch.cummin(v, 0).values if v.numel() else v
+
+
+# --------------------------------------------------------------------------- step cost
+
+
+class StepCostModel:
+    """Online model of one engine step's wall time: ``seconds = intercept + slope * tokens``.
+
+    ``tokens`` is what the step verified (every scheduled row: roots, tree nodes, prefill
+    chunks). Fitted by least squares on the last ``window`` observations; the slope is pulled
+    toward ``prior_slope`` with the weight of ``prior_weight`` pseudo-steps, so the model is
+    defined before any data (``(prior_intercept, prior_slope)``) and with data at one size only
+    (the slope then stays at the prior; :meth:`spread` says whether sizes have varied). The fit
+    is clamped to ``slope >= 0`` and ``intercept >= min_intercept`` (a step always costs
+    something).
+
+    On a GPU the slope is close to 0 up to hundreds of tokens; on a CPU it dominates. The
+    default prior slope is 0 (GPU-like): the controller starts with large trees and learns the
+    real slope from the first steps of different sizes, rather than starting with chains and
+    never measuring what a tree costs.
+
+    Args:
+        window: observations kept (>= 2).
+        prior_intercept: seconds per step before data (> 0).
+        prior_slope: seconds per verified token before data (>= 0).
+        prior_weight: pseudo-observations of the prior (> 0).
+        min_intercept: floor of the fitted intercept, seconds (> 0).
+
+    Raises:
+        ValueError: an argument out of range.
+    """
+
+    def __init__(self, window: int = 64, prior_intercept: float = 0.02, prior_slope: float = 0.0,
+                 prior_weight: float = 0.01, min_intercept: float = 1e-4):
+        self.window = _check_int("window", window, 2)
+        self.prior_intercept = _check_pos_float("prior_intercept", prior_intercept)
+        self.prior_slope = _check_pos_float("prior_slope", prior_slope, allow_zero=True)
+        self.prior_weight = _check_pos_float("prior_weight", prior_weight)
+        self.min_intercept = _check_pos_float("min_intercept", min_intercept)
+        self._obs: deque[tuple[float, float]] = deque(maxlen=window)
+        self._fit: tuple[float, float] | None = None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """Record one step.
+
+        Args:
+            tokens: rows the step verified (int >= 1).
+            seconds: its wall time (finite, > 0).
+
+        Raises:
+            ValueError: a bad value.
+        """
+        _check_int("tokens", tokens, 1)
+        s = _check_pos_float("seconds", seconds)
+        self._obs.append((float(tokens), s))
+        self._fit = None
+
+    @property
+    def num_observations(self) -> int:
+        """Observations in the window."""
+        return len(self._obs)
+
+    def spread(self) -> float:
+        """Largest over smallest token count in the window (1.0 with fewer than 2 steps): the
+        slope is only identified when steps of different sizes were seen."""
+        if len(self._obs) < 2:
+            return 1.0
+        xs = [x for x, _ in self._obs]
+        return max(xs) / min(xs)
+
+    def coefficients(self) -> tuple[float, float]:
+        """``(intercept seconds, slope seconds per token)`` of the current fit."""
+        if self._fit is None:
+            self._fit = self._solve()
+        return self._fit
+
+    def _solve(self) -> tuple[float, float]:
+        # Centred least squares: the mean step is always identified; the slope only from the
+        # spread of sizes, so it is pulled toward the prior with weight lam (prior_weight
+        # pseudo-steps at a distance of the mean size from the mean). With one size only the
+        # slope stays at the prior and the intercept takes the mean.
+        a0, b0, w = self.prior_intercept, self.prior_slope, self.prior_weight
+        n = len(self._obs)
+        if n == 0:
+            return max(a0, self.min_intercept), b0
+        xm = sum(x for x, _ in self._obs) / n
+        ym = sum(y for _, y in self._obs) / n
+        sxx = sum((x - xm) ** 2 for x, _ in self._obs)
+        sxy = sum((x - xm) * (y - ym) for x, y in self._obs)
+        lam = w * xm * xm
+        b = max(0.0, (sxy + lam * b0) / (sxx + lam))  # cost never falls with more tokens
+        a = ym - b * xm
+        if a < self.min_intercept:
+            # Floor the intercept, then the slope that fits best through it (same prior pull).
+            a = self.min_intercept
+            sx2 = sum(x * x for x, _ in self._obs)
+            sxr = sum(x * (y - a) for x, y in self._obs)
+            b = max(0.0, (sxr + lam * b0) / (sx2 + lam))
+        return a, b
+
+    def seconds(self, tokens):
+        """Predicted wall time of a step verifying ``tokens`` rows (a number, or a float tensor
+        of row counts giving a tensor of seconds)."""
+        a, b = self.coefficients()
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.double()
+        return a + b * tokens
+
+
+# --------------------------------------------------------------------------- allocation
+
+
+@dataclass
+class Allocation:
+    """One step's budgets and what the controller expects from them.
+
+    Attributes:
+        budgets: per-request node budget ``b_i`` in ``[1, B_max]``, in input order.
+        expected_accepted: per-request expected accepted drafts (sum of the first ``b_i`` values).
+        expected_tokens: expected committed tokens of the step (accepted + one bonus per request).
+        seconds: predicted step wall time.
+        tokens: rows the step verifies (``extra_tokens + sum(1 + b_i)``).
+        chain_fallback: every request got the minimum (one node): no larger tree pays.
+        speculation_pays: the expected rate beats the predicted target-only rate (one token per
+            request at the cost of ``extra_tokens + num_requests`` rows).
+    """
+
+    budgets: list[int]
+    expected_accepted: list[float]
+    expected_tokens: float
+    seconds: float
+    tokens: int
+    chain_fallback: bool
+    speculation_pays: bool
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Expected committed tokens per second of the step."""
+        return self.expected_tokens / self.seconds
+
+
+def _check_values(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out = []
+    for i, v in enumerate(values):
+        if not isinstance(v, torch.Tensor) or v.dim() != 1 or not v.is_floating_point():
+            raise ValueError(f"values[{i}] must be a 1-D float tensor (marginal values in pop "
+                             f"order), got {type(v).__name__}"
+                             f"{tuple(v.shape) if isinstance(v, torch.Tensor) else ''}")
+        if v.numel() == 0:
+            raise ValueError(f"values[{i}] is empty: every request needs at least one node")
+        d = v.detach().double().cpu()
+        if bool(torch.isnan(d).any()) or bool((d < 0).any()) or bool((d > 1).any()):
+            raise ValueError(f"values[{i}] must be probabilities in [0, 1]")
+        if d.numel() > 1 and bool((d[1:] > d[:-1] + 1e-12).any()):
+            raise ValueError(f"values[{i}] must be non-increasing (best-first pop order)")
+        out.append(d)
+    return out
+
+
+def allocate_budgets(
+    values: Sequence[torch.Tensor],
+    step_seconds,
+    max_budget: int,
+    token_budget: int | None = None,
+    extra_tokens: int = 0,
+) -> Allocation:
+    """Each request's node budget for one step, maximising expected committed tokens per second.
+
+    Every request verifies at least one node (``b_i >= 1``) and at most ``max_budget``, and one
+    step verifies ``extra_tokens + sum(1 + b_i)`` rows, at most ``token_budget``. The step commits
+    ``sum_i (1 + sum_{j <= b_i} v_ij)`` tokens in expectation (one bonus token per request, plus
+    the accepted drafts) and costs ``step_seconds(rows)``.
+
+    Why greedy by marginal value is exact: the cost depends on the *number* of nodes only, so for
+    a fixed total the expectation is largest with the highest values; each request's values are
+    non-increasing, so the globally highest values always form a prefix of every request's pop
+    order (a valid tree). Nodes are therefore taken in one global descending order of value,
+    and the best total is found by evaluating the rate at every count (not by stopping at the
+    first drop, so it holds for any cost curve, not only convex ones). Ties go to the request
+    listed first, then to its earlier node.
+
+    Args:
+        values: per request, a 1-D float tensor of marginal values in ``[0, 1]``, non-increasing
+            (:func:`marginal_values`); its length caps that request's budget (a tree cannot be
+            larger than the nodes its builder found).
+        step_seconds: callable from a float64 tensor ``[m]`` of row counts to ``[m]`` seconds
+            (or a scalar for a flat cost), e.g. :meth:`StepCostModel.seconds`; must be positive.
+        max_budget: ``B_max`` (int >= 1).
+        token_budget: the step's row limit (``max_num_batched_tokens``), or ``None``.
+        extra_tokens: rows of the same step that are not these trees (prefill chunks), >= 0.
+
+    Returns:
+        the :class:`Allocation`.
+
+    Raises:
+        ValueError: empty batch, a bad values tensor, ``max_budget`` < 1, a token budget too
+            small for one node per request, or a non-positive cost.
+    """
+    vals = _check_values(values)
+    if not vals:
+        raise ValueError("values is empty: no request to allocate")
+    _check_int("max_budget", max_budget, 1)
+    _check_int("extra_tokens", extra_tokens, 0)
+    num = len(vals)
+    base_rows = extra_tokens + 2 * num  # root + one node per request
+    if token_budget is not None:
+        _check_int("token_budget", token_budget, 1)
+        if token_budget < base_rows:
+            raise ValueError(f"token_budget={token_budget} is too small for {num} requests with "
+                             f"one node each and {extra_tokens} other rows ({base_rows} rows)")
+
+    def cost(rows: torch.Tensor) -> torch.Tensor:
+        s = torch.as_tensor(step_seconds(rows), dtype=torch.float64).expand(rows.shape)
+        if not bool(torch.isfinite(s).all()) or bool((s <= 0).any()):
+            raise ValueError("step_seconds must give positive finite seconds for every row "
+                             f"count, got {s.min().item()} .. {s.max().item()}")
+        return s
+
+    # Candidates beyond the mandatory first node, in one global descending order.
+    cand_v, cand_r = [], []
+    for r, v in enumerate(vals):
+        extra = v[1:max_budget]
+        cand_v.append(extra)
+        cand_r.append(torch.full((extra.numel(),), r, dtype=torch.long))
+    base = sum(float(v[0]) for v in vals)
+    cv = torch.cat(cand_v) if cand_v else torch.zeros(0, dtype=torch.float64)
+    cr = torch.cat(cand_r) if cand_r else torch.zeros(0, dtype=torch.long)
+    # Stable sort: ties keep request order, and within a request pop order.
+    order = torch.sort(cv, descending=True, stable=True).indices
+    cv, cr = cv[order], cr[order]
+    max_extra = cv.numel()
+    if token_budget is not None:
+        max_extra = min(max_extra, token_budget - base_rows)
+    gains = torch.cat((torch.zeros(1, dtype=torch.float64), torch.cumsum(cv[:max_extra], 0)))
+    rows_k = torch.arange(base_rows, base_rows + max_extra + 1, dtype=torch.float64)
+    rates = (num + base + gains) / cost(rows_k)
+    # The first maximum: among (near-)equal rates the smaller tree, which costs less if the
+    # cost model is off.
+    best_k = int(torch.nonzero(rates >= rates.max() * (1 - 1e-12))[0])
+    budgets = [1] * num
+    for r in cr[:best_k].tolist():
+        budgets[r] += 1
+    expected = [float(v[:b].sum()) for v, b in zip(vals, budgets)]
+    rows = base_rows + best_k
+    seconds = float(cost(rows_k[best_k : best_k + 1])[0])
+    expected_tokens = num + sum(expected)
+    target_only_rate = num / float(cost(torch.tensor([float(extra_tokens + num)]))[0])
+    return Allocation(
+        budgets=budgets,
+        expected_accepted=expected,
+        expected_tokens=expected_tokens,
+        seconds=seconds,
+        tokens=rows,
+        chain_fallback=all(b == 1 for b in budgets),
+        speculation_pays=expected_tokens / seconds > target_only_rate,
+    )
+
+
+# --------------------------------------------------------------------------- controller
+
+
+@dataclass
+class BudgetStats:
+    """Running totals a metrics logger reads (monotone counters and the last decision).
+
+    Attributes:
+        steps: allocations made.
+        budget_sum: sum of all allocated budgets (mean budget = budget_sum / trees).
+        trees: requests allocated.
+        predicted_accepted: sum of expected accepted drafts over observed trees.
+        observed_accepted: sum of accepted drafts over the same trees.
+        chain_fallback_steps: allocations where every request got one node.
+        last_budgets: the last allocation's budgets.
+    """
+
+    steps: int = 0
+    budget_sum: int = 0
+    trees: int = 0
+    predicted_accepted: float = 0.0
+    observed_accepted: int = 0
+    chain_fallback_steps: int = 0
+    last_budgets: list[int] = field(default_factory=list)
+
+
+class BudgetController:
+    """``"ddtree_budget": "auto"``: calibrator + cost model + allocation, per engine.
+
+    Per step: :meth:`allocate` with each request's drafter path log-probs (from the full-size
+    best-first tree) gives the budgets; after verification, :meth:`observe_tree` per request and
+    :meth:`observe_step` with the step's rows and wall time update the estimates.
+
+    While the window of step sizes is too narrow to identify the cost slope (:meth:
+    `StepCostModel.spread` < ``min_spread``), every ``probe_every``-th allocation is scaled by
+    one half or two (alternately): a step of another size is as exact as any other, and without it
+    a controller that always picks the same size never learns what other sizes cost.
+
+    Attributes:
+        max_budget: ``B_max``.
+        calibrator, cost: the estimators.
+        stats: :class:`BudgetStats` for metrics.
+        chain_fallback: the last allocation gave every request one node (no tree paid); logged
+            as a warning the first time only (``stats.chain_fallback_steps`` counts them all).
+        speculation_pays: the last allocation's expected rate beat the predicted target-only rate.
+
+    Raises:
+        ValueError: ``max_budget`` < 1 or a bad probe setting.
+    """
+
+    def __init__(self, max_budget: int, calibrator: AcceptanceCalibrator | None = None,
+                 cost: StepCostModel | None = None, probe_every: int = 16,
+                 min_spread: float = 1.5):
+        self.max_budget = _check_int("max_budget", max_budget, 1)
+        self.calibrator = calibrator or AcceptanceCalibrator()
+        self.cost = cost or StepCostModel()
+        self.probe_every = _check_int("probe_every", probe_every, 0)
+        self.min_spread = _check_pos_float("min_spread", min_spread)
+        self.stats = BudgetStats()
+        self.chain_fallback = False
+        self.speculation_pays = True
+        self._logged_fallback = False
+        self._pending: dict[str, float] = {}
+
+    def allocate(self, req_ids: Sequence[str], path_log_probs: Sequence[torch.Tensor],
+                 token_budget: int | None = None, extra_tokens: int = 0) -> list[int]:
+        """Budgets for one step.
+
+        Args:
+            req_ids: the requests, in batch order.
+            path_log_probs: per request, ``[n + 1]`` ``DraftTree.path_log_probs`` of its
+                best-first tree built at ``max_budget`` (so ``n <= max_budget``; ``n >= 1``).
+            token_budget, extra_tokens: as in :func:`allocate_budgets`.
+
+        Returns:
+            per-request budgets in ``[1, min(n_i, max_budget)]``.
+        """
+        if len(req_ids) != len(path_log_probs):
+            raise ValueError(f"{len(req_ids)} req_ids but {len(path_log_probs)} trees")
+        values = [marginal_values(p, self.calibrator) for p in path_log_probs]
+        alloc = allocate_budgets(values, self.cost.seconds, self.max_budget, token_budget,
+                                 extra_tokens)
+        budgets = alloc.budgets
+        self.stats.steps += 1
+        if (self.probe_every and self.stats.steps % self.probe_every == 0
+                and self.cost.spread() < self.min_spread):
+            up = (self.stats.steps // self.probe_every) % 2 == 1
+            probe = [max(1, min(b * 2 if up else b // 2, v.numel(), self.max_budget))
+                     for b, v in zip(budgets, values)]
+            rows = extra_tokens + sum(1 + b for b in probe)
+            if token_budget is None or rows <= token_budget:
+                budgets = probe
+        for r, b, v in zip(req_ids, budgets, values):
+            self._pending[r] = float(v[:b].sum())
+        self.stats.budget_sum += sum(budgets)
+        self.stats.trees += len(budgets)
+        self.stats.last_budgets = list(budgets)
+        self.chain_fallback = alloc.chain_fallback
+        self.speculation_pays = alloc.speculation_pays
+        if alloc.chain_fallback:
+            self.stats.chain_fallback_steps += 1
+            if not self._logged_fallback:
+                self._logged_fallback = True
+                logger.warning(
+                    "DDTree auto budget: no tree larger than one node pays for its verification "
+                    "cost (%d requests, predicted step %.4f s at %d rows); verifying one-node "
+                    "chains. %s", len(budgets), alloc.seconds, alloc.tokens,
+                    "Target-only decoding is predicted to be faster: consider turning "
+                    "speculative decoding off." if not alloc.speculation_pays else "")
+        return budgets
+
+    def observe_tree(self, req_id: str, path_log_probs: torch.Tensor, accepted_nodes:
+                     Sequence[int]) -> None:
+        """Fold one verified tree into the calibration.
+
+        Args:
+            req_id: its request (matches the prediction made in :meth:`allocate`, if any).
+            path_log_probs: ``[n + 1]`` ``DraftTree.path_log_probs`` of the tree as verified.
+            accepted_nodes: node indices of the accepted path, starting with the root 0.
+        """
+        n = path_log_probs.numel() - 1
+        acc = torch.zeros(n, dtype=torch.bool)
+        idx = [i - 1 for i in accepted_nodes if i > 0]
+        if any(not 0 <= i < n for i in idx):
+            raise ValueError(f"accepted node indices {list(accepted_nodes)} outside a tree of "
+                             f"{n} nodes")
+        acc[idx] = True
+        q = path_log_probs[1:].detach().double().cpu().exp().clamp(0.0, 1.0)
+        self.calibrator.observe(q, acc)
+        pred = self._pending.pop(req_id, None)
+        if pred is not None:
+            self.stats.predicted_accepted += pred
+            self.stats.observed_accepted += len(idx)
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """Record one step's verified rows and wall time (see :meth:`StepCostModel.observe`)."""
+        self.cost.observe(tokens, seconds)
+
+    def forget(self, live_req_ids: set[str]) -> None:
+        """Drop predictions of requests that are gone."""
+        for r in [r for r in self._pending if r not in live_req_ids]:
+            del self._pending[r]
