@@ -155,3 +155,44 @@ def test_stat_logger_exports_step_figures_and_shadow_tau(caplog, monkeypatch):
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "tree build 2.000 ms per step, KV compaction 1.000 ms per step" in text
     assert "verified chain τ 2.50; the draft trees would reach τ 3.50 (4 trees measured)" in text
+
+
+def test_auto_budget_decisions_reach_the_figures(caplog, monkeypatch):
+    """``ddtree_budget="auto"``: the controller's budgets, predictions and fallbacks go to the
+    worker figures as increments of its own totals, and out as ``vllm:ddtree_auto_*``."""
+    import torch
+
+    import vllm_ddtree.metrics as metrics
+    from vllm_ddtree.budget import BudgetController, StepCostModel
+    from vllm_ddtree.metrics import WorkerFigures
+
+    figures = WorkerFigures()
+    ctl = BudgetController(8, cost=StepCostModel(prior_intercept=0.01), figures=figures)
+    paths = [torch.log(torch.tensor([1.0, 0.9, 0.8, 0.5, 0.3, 0.1, 0.05])),
+             torch.log(torch.tensor([1.0, 0.6, 0.2, 0.1]))]
+    budgets = ctl.allocate(["a", "b"], paths)
+    ctl.observe_tree("a", paths[0][: budgets[0] + 1], [0, 1, 2])
+    sent = figures.drain()
+    assert (sent["auto_trees"], sent["auto_nodes"]) == (ctl.stats.trees, ctl.stats.budget_sum)
+    assert sent["auto_predicted_accepted"] == ctl.stats.predicted_accepted > 0
+    assert sent["auto_observed_accepted"] == ctl.stats.observed_accepted == 2
+    assert sent["auto_chain_fallback_steps"] == ctl.stats.chain_fallback_steps
+
+    cfg = _vllm_config(budget=8)
+    monkeypatch.setattr(metrics, "get_ddtree_config",
+                        lambda c: SimpleNamespace(**c.additional_config[ADDITIONAL_CONFIG_KEY]))
+    stats = observe_tree(None, 5, sum(budgets), 2)
+    metrics.carry_figures(stats, sent)
+    log = DDTreeStatLogger(cfg, engine_index=0)
+    log.labels = ["auto-test", "0"]
+    log.record(SimpleNamespace(spec_decoding_stats=stats), None)
+    import prometheus_client
+
+    labels = {"model_name": "auto-test", "engine": "0"}
+    value = prometheus_client.REGISTRY.get_sample_value
+    assert value("vllm:ddtree_auto_nodes_total", labels) == sum(budgets)
+    assert value("vllm:ddtree_auto_accepted_tokens_total", labels) == 2
+    with caplog.at_level(logging.INFO, logger="vllm.ddtree"):
+        log.log()
+    assert any(f"mean node budget {sum(budgets) / 2:.1f} (1..8)" in r.getMessage()
+               for r in caplog.records)

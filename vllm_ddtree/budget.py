@@ -36,6 +36,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -515,13 +516,16 @@ class BudgetController:
 
     def __init__(self, max_budget: int, calibrator: AcceptanceCalibrator | None = None,
                  cost: StepCostModel | None = None, probe_every: int = 16,
-                 min_spread: float = 1.5):
+                 min_spread: float = 1.5, figures: Any = None):
         self.max_budget = _check_int("max_budget", max_budget, 1)
         self.calibrator = calibrator or AcceptanceCalibrator()
         self.cost = cost or StepCostModel()
         self.probe_every = _check_int("probe_every", probe_every, 0)
         self.min_spread = _check_pos_float("min_spread", min_spread)
         self.stats = BudgetStats()
+        #: Optional sink with ``add(**amounts)`` (:class:`vllm_ddtree.metrics.WorkerFigures`):
+        #: the same totals as :attr:`stats`, as increments, for ``vllm:ddtree_auto_*``.
+        self.figures = figures
         self.chain_fallback = False
         self.speculation_pays = True
         self._logged_fallback = False
@@ -562,6 +566,9 @@ class BudgetController:
         self.stats.last_budgets = list(budgets)
         self.chain_fallback = alloc.chain_fallback
         self.speculation_pays = alloc.speculation_pays
+        if self.figures is not None:
+            self.figures.add(auto_trees=len(budgets), auto_nodes=sum(budgets),
+                             auto_chain_fallback_steps=int(alloc.chain_fallback))
         if alloc.chain_fallback:
             self.stats.chain_fallback_steps += 1
             if not self._logged_fallback:
@@ -596,6 +603,8 @@ class BudgetController:
         if pred is not None:
             self.stats.predicted_accepted += pred
             self.stats.observed_accepted += len(idx)
+            if self.figures is not None:
+                self.figures.add(auto_predicted_accepted=pred, auto_observed_accepted=len(idx))
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """Record one step's verified rows and wall time (see :meth:`StepCostModel.observe`)."""

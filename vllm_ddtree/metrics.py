@@ -59,7 +59,9 @@ _WARNED: list[bool] = []
 #: the tree build includes waiting for the drafter's logits, KV compaction only its launches).
 WORKER_FIGURES = ("tree_build_seconds", "tree_builds", "kv_compaction_seconds",
                   "kv_compactions", "shadow_steps", "shadow_tree_accepted",
-                  "shadow_chain_accepted")
+                  "shadow_chain_accepted", "auto_trees", "auto_nodes",
+                  "auto_predicted_accepted", "auto_observed_accepted",
+                  "auto_chain_fallback_steps")
 
 #: ``ModelRunnerOutput`` attribute carrying a step's :class:`WorkerFigures` to the scheduler.
 OUTPUT_ATTR = "ddtree_figures"
@@ -78,6 +80,11 @@ class DDTreeSpecDecodingStats(SpecDecodingStats):
         shadow_steps: ``shadow_linear``: trees measured against the realised output.
         shadow_tree_accepted, shadow_chain_accepted: drafts those trees / the verified chains
             accept; the trees' would-be τ is ``1 + shadow_tree_accepted / shadow_steps``.
+        auto_trees, auto_nodes: ``ddtree_budget="auto"``: trees sized by the controller and
+            the nodes it gave them (mean budget in force = nodes / trees).
+        auto_predicted_accepted, auto_observed_accepted: over the verified ones, the drafts
+            the calibrated drafter expected to be accepted and those accepted.
+        auto_chain_fallback_steps: steps where no tree larger than one node paid.
     """
 
     tree_build_seconds: float = 0.0
@@ -87,6 +94,11 @@ class DDTreeSpecDecodingStats(SpecDecodingStats):
     shadow_steps: int = 0
     shadow_tree_accepted: int = 0
     shadow_chain_accepted: int = 0
+    auto_trees: int = 0
+    auto_nodes: int = 0
+    auto_predicted_accepted: float = 0.0
+    auto_observed_accepted: int = 0
+    auto_chain_fallback_steps: int = 0
 
 
 #: What the worker sends: :data:`WORKER_FIGURES`, and ``padding_rows``: verified rows past a
@@ -264,6 +276,16 @@ _FIGURE_SERIES = {
     "shadow_chain_accepted": ("shadow_chain_accepted_tokens",
                               "DDTree shadow_linear: drafts the verified chains accept, "
                               "measured the same way."),
+    "auto_trees": ("auto_trees", "DDTree auto budget: trees sized by the controller."),
+    "auto_nodes": ("auto_nodes", "DDTree auto budget: nodes the controller gave those trees."),
+    "auto_predicted_accepted": ("auto_predicted_accepted_tokens",
+                                "DDTree auto budget: drafts the calibrated drafter expected "
+                                "to be accepted (verified trees)."),
+    "auto_observed_accepted": ("auto_accepted_tokens",
+                               "DDTree auto budget: drafts accepted on the same trees."),
+    "auto_chain_fallback_steps": ("auto_chain_fallback_steps",
+                                  "DDTree auto budget: steps where no tree larger than one "
+                                  "node paid for its verification."),
 }
 
 
@@ -286,7 +308,12 @@ class DDTreeStatLogger(StatLoggerBase):
       calls (mean per engine step = the ratio of their rates);
     * ``vllm:ddtree_shadow_steps``, ``vllm:ddtree_shadow_tree_accepted_tokens``,
       ``vllm:ddtree_shadow_chain_accepted_tokens`` — ``shadow_linear`` only: trees measured and
-      the drafts they / the verified chains accept (would-be τ = 1 + tree accepted / steps).
+      the drafts they / the verified chains accept (would-be τ = 1 + tree accepted / steps);
+    * ``vllm:ddtree_auto_trees``, ``vllm:ddtree_auto_nodes``,
+      ``vllm:ddtree_auto_predicted_accepted_tokens``, ``vllm:ddtree_auto_accepted_tokens``,
+      ``vllm:ddtree_auto_chain_fallback_steps`` — ``ddtree_budget="auto"`` only: the budget in
+      force (nodes / trees), predicted vs accepted, steps that fell back to one-node chains
+      (``vllm:ddtree_node_budget`` is then the cap ``B_max``).
     """
 
     def __init__(self, vllm_config: Any, engine_index: int = 0):
@@ -374,6 +401,13 @@ class DDTreeStatLogger(StatLoggerBase):
                 "%.3f ms per step (host time)", self.engine_index,
                 1e3 * f["tree_build_seconds"] / max(f["tree_builds"], 1),
                 1e3 * f["kv_compaction_seconds"] / max(f["kv_compactions"], 1))
+        if f["auto_trees"]:
+            logger.info(
+                "DDTree auto budget (engine %d): mean node budget %.1f (1..%d), drafts expected "
+                "to be accepted %.1f vs accepted %d, one-node chains in %d steps",
+                self.engine_index, f["auto_nodes"] / f["auto_trees"], self.config.budget,
+                f["auto_predicted_accepted"], f["auto_observed_accepted"],
+                f["auto_chain_fallback_steps"])
         if f["shadow_steps"]:
             logger.info(
                 "DDTree shadow_linear (engine %d): verified chain τ %.2f; the draft trees would "

@@ -86,7 +86,8 @@ class DDTreeProposer(DFlashProposer):
                 f"{ddtree.budget} distinct draft prefixes ({fillable} exist)"
             )
         self.controller: BudgetController | None = (
-            BudgetController(ddtree.budget) if ddtree.auto_budget and self.shadow is None
+            BudgetController(ddtree.budget, figures=self.ddtree_figures)
+            if ddtree.auto_budget and self.shadow is None
             else None)
         self._max_tokens = max_tokens
         #: (engine step index, perf_counter) at the end of the last propose: auto's step timer.
