@@ -6,12 +6,13 @@ every round builds each configuration's engine in turn (target-only, vLLM's DFla
 each fixed B, DDTree ``auto``), measures both batch sizes and frees it, so slow phases of this
 noisy machine hit every configuration alike; the table reports the median over rounds. Every
 output is checked against target-only (greedy equality). ``auto`` learns online from the engine's
-own step times: a warm-up generation runs before each measurement, in every round.
+own step times: every engine first generates one pass over the prompts at batch 1 (warm-up,
+not measured), in every round.
 
 Writes ``docs/benchmark_auto.md`` (table, ratios, command), ``docs/benchmark_auto.png`` (tokens/s
 against B, ``auto`` and DFlash as lines) and ``docs/benchmark_auto.json`` (raw numbers).
 
-    python benchmarks/auto_budget.py               # ~10 min on 2 cores
+    python benchmarks/auto_budget.py               # ~20 min on 2 cores
     python benchmarks/auto_budget.py --rounds 1 --budgets 4 32 --num-prompts 2 --max-tokens 16
 """
 
@@ -80,7 +81,10 @@ def run(args) -> list[dict]:
             t0 = time.perf_counter()
             llm = make_llm(target, **({"speculative_config": spec} if spec else {}))
             steps = wrap_steps(llm)
-            llm.generate(prompts[:2], warm, use_tqdm=False)  # warm-up; auto learns costs here
+            # Warm-up, the same for every configuration: one pass over the prompts at batch 1
+            # (auto learns its step costs and calibration here, as a long-running server has).
+            for prompt in prompts:
+                llm.generate([prompt], warm, use_tqdm=False)
             for batch in args.batches:
                 before = (llm.collective_rpc(_auto_state)[0] if name == "auto" else None)
                 ids, m = measure(llm, steps, stages, prompts, params, batch)

@@ -515,7 +515,12 @@ def _prepare_inputs(original: Callable) -> Callable:
 
         state.hybrid_done = False  # this step's target forward is still to come
         state.step_index += 1
-        state.step_rows = int(scheduler_output.total_num_scheduled_tokens)
+        # auto's cost model learns from decode steps only: a prefill chunk costs far less per
+        # row than a tree node (one attention wave per chain), and would flatten the slope.
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        decode_only = all(n == 1 + len(spec.get(r, ()))
+                          for r, n in scheduler_output.num_scheduled_tokens.items())
+        state.step_rows = int(scheduler_output.total_num_scheduled_tokens) if decode_only else 0
         num_reqs = self.input_batch.num_reqs
         req_ids = self.input_batch.req_ids[:num_reqs]
         trees = self.drafter.trees

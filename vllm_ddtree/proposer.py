@@ -46,6 +46,10 @@ class DDTreeProposer(DFlashProposer):
         controller: ``ddtree_budget="auto"``: the :class:`~vllm_ddtree.budget.BudgetController`
             choosing each request's tree size per step (``None`` for a fixed budget); its
             ``stats``, ``chain_fallback`` and ``speculation_pays`` are what it decided.
+        ddtree_figures: :class:`~vllm_ddtree.metrics.WorkerFigures` (tree-build and
+            KV-compaction times, the shadow measurement, auto's decisions) for the metrics.
+        shadow: ``ddtree_hybrid="shadow_linear"``: the
+            :class:`~vllm_ddtree.shadow.ShadowAcceptance` of the unverified trees, else ``None``.
 
     Raises:
         ValueError: the node budget cannot fit in one scheduled batch

@@ -36,7 +36,8 @@ class V1EngineState:
             sampling and restored in ``_bookkeeping_sync`` (see :func:`save_discarded_generators`).
         step_index: engine steps prepared so far (``ddtree_budget="auto"`` times consecutive
             steps only).
-        step_rows: rows (tokens) scheduled in the current step, for auto's cost model.
+        step_rows: rows (tokens) scheduled in the current step, for auto's cost model; 0 when
+            the step holds a prefill (not timed).
     """
 
     config: DDTreeConfig

@@ -70,6 +70,11 @@ class DDTreeSpeculator(DFlashSpeculator):
             draft tokens; rows past ``B`` are padding).
         last_step: the step verified last, consumed by the next ``propose`` (accepted paths).
         last_log_probs: ``[R, L, V]`` float32 drafter log-probs of the last pass.
+        ddtree_figures: :class:`~vllm_ddtree.metrics.WorkerFigures` (tree-build and
+            KV-compaction times, padding rows, the shadow measurement) for the metrics.
+        shadow: ``ddtree_hybrid="shadow_linear"``: the
+            :class:`~vllm_ddtree.shadow.ShadowAcceptance` of the unverified trees (else
+            ``None``); the top-1 chain of ``L`` nodes is what V2 verifies then.
 
     Raises:
         DDTreeConfigError: the budget cannot run with these scheduler settings, or
