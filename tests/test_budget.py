@@ -345,3 +345,40 @@ def test_controller_refuses_bad_input():
     with pytest.raises(ValueError, match="outside a tree of 2 nodes"):
         ctl.observe_tree("a", torch.zeros(3), [0, 3])
     assert math.isfinite(ctl.cost.seconds(10))
+
+
+def test_target_only_comparison_leaves_out_the_drafter_pass():
+    """A step's measured cost includes the drafter pass, which target-only decoding does not
+    pay: with it taken off, a tree that beats the drafter-inclusive estimate can still lose to
+    target-only, and the controller counts and says so."""
+    from vllm_ddtree.budget import BudgetController, StepCostModel, allocate_budgets
+
+    values = [torch.tensor([0.6, 0.3, 0.1])]
+    cost = StepCostModel(prior_intercept=0.02)  # flat 20 ms per step
+    with_drafter = allocate_budgets(values, cost.seconds, 8)
+    assert with_drafter.speculation_pays  # 1.6+ tokens per 20 ms vs 1 token per 20 ms
+    without = allocate_budgets(values, cost.seconds, 8, drafter_seconds=0.015)
+    assert without.target_only_rate == pytest.approx(1 / 0.005)
+    assert not without.speculation_pays and without.budgets == with_drafter.budgets
+    ctl = BudgetController(8, cost=cost)
+    ctl.observe_drafter(0.015)
+    ctl.allocate(["a"], [torch.log(torch.tensor([1.0, 0.6, 0.18, 0.018]))])
+    assert ctl.stats.unprofitable_steps == 1 and not ctl.speculation_pays
+    with pytest.raises(ValueError):
+        ctl.observe_drafter(0.0)
+
+
+def test_build_cap_follows_the_last_allocation():
+    """Trees are built at twice the last largest budget (8 .. B_max): room to double per step;
+    B_max before any allocation."""
+    from vllm_ddtree.budget import BudgetController, StepCostModel
+
+    ctl = BudgetController(64, cost=StepCostModel(prior_intercept=0.01, prior_slope=0.01),
+                           probe_every=0)
+    assert ctl.build_cap() == 64
+    ctl.allocate(["a"], [torch.log(torch.tensor([1.0, 0.9, 0.5, 0.01, 0.001]))])
+    assert max(ctl.stats.last_budgets) <= 4 and ctl.build_cap() == 8
+    ctl.stats.last_budgets = [20, 3]
+    assert ctl.build_cap() == 40
+    ctl.stats.last_budgets = [50]
+    assert ctl.build_cap() == 64

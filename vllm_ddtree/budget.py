@@ -208,6 +208,22 @@ def marginal_values(path_log_probs: torch.Tensor,
     return torch.cummin(v, 0).values if v.numel() else v
 
 
+def _batch_marginal_values(path_log_probs: Sequence[torch.Tensor],
+                           calibrator: AcceptanceCalibrator) -> list[torch.Tensor]:
+    """:func:`marginal_values` of every request of a step, calibrated in one call."""
+    for p in path_log_probs:
+        if (not isinstance(p, torch.Tensor) or p.dim() != 1 or not p.is_floating_point()
+                or p.numel() == 0):
+            raise ValueError("path_log_probs must be non-empty 1-D float tensors [n + 1] "
+                             "(DraftTree.path_log_probs, root first)")
+    sizes = [p.numel() - 1 for p in path_log_probs]
+    if not sizes:
+        return []
+    q = torch.cat([p[1:] for p in path_log_probs]).detach().double().cpu().exp().clamp(0.0, 1.0)
+    v = calibrator.calibrate(q)
+    return [torch.cummin(x, 0).values if x.numel() else x for x in torch.split(v, sizes)]
+
+
 # --------------------------------------------------------------------------- step cost
 
 
@@ -330,7 +346,9 @@ class Allocation:
         tokens: rows the step verifies (``extra_tokens + sum(1 + b_i)``).
         chain_fallback: every request got the minimum (one node): no larger tree pays.
         speculation_pays: the expected rate beats the predicted target-only rate (one token per
-            request at the cost of ``extra_tokens + num_requests`` rows).
+            request at the cost of ``extra_tokens + num_requests`` rows, without the drafter
+            pass: ``drafter_seconds`` of :func:`allocate_budgets`).
+        target_only_rate: that predicted target-only rate, tokens per second.
     """
 
     budgets: list[int]
@@ -340,6 +358,7 @@ class Allocation:
     tokens: int
     chain_fallback: bool
     speculation_pays: bool
+    target_only_rate: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -356,12 +375,23 @@ def _check_values(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
                              f"{tuple(v.shape) if isinstance(v, torch.Tensor) else ''}")
         if v.numel() == 0:
             raise ValueError(f"values[{i}] is empty: every request needs at least one node")
-        d = v.detach().double().cpu()
-        if bool(torch.isnan(d).any()) or bool((d < 0).any()) or bool((d > 1).any()):
-            raise ValueError(f"values[{i}] must be probabilities in [0, 1]")
-        if d.numel() > 1 and bool((d[1:] > d[:-1] + 1e-12).any()):
-            raise ValueError(f"values[{i}] must be non-increasing (best-first pop order)")
-        out.append(d)
+        out.append(v.detach().double().cpu())
+    if not out:
+        return out
+    # One pass over all requests (this runs every engine step): range, then order within each
+    # request (a rise across two requests' boundary is allowed).
+    d = torch.cat(out)
+    bad = torch.isnan(d) | (d < 0) | (d > 1)
+    rise = torch.zeros_like(bad)
+    rise[1:] = d[1:] > d[:-1] + 1e-12
+    starts = torch.tensor([0] + [v.numel() for v in out[:-1]]).cumsum(0)
+    rise[starts] = False
+    for flags, what in ((bad, "must be probabilities in [0, 1]"),
+                        (rise, "must be non-increasing (best-first pop order)")):
+        if bool(flags.any()):
+            first = int(torch.nonzero(flags)[0])
+            i = int((starts <= first).sum()) - 1
+            raise ValueError(f"values[{i}] {what}")
     return out
 
 
@@ -371,6 +401,7 @@ def allocate_budgets(
     max_budget: int,
     token_budget: int | None = None,
     extra_tokens: int = 0,
+    drafter_seconds: float = 0.0,
 ) -> Allocation:
     """Each request's node budget for one step, maximising expected committed tokens per second.
 
@@ -396,6 +427,10 @@ def allocate_budgets(
         max_budget: ``B_max`` (int >= 1).
         token_budget: the step's row limit (``max_num_batched_tokens``), or ``None``.
         extra_tokens: rows of the same step that are not these trees (prefill chunks), >= 0.
+        drafter_seconds: the drafter pass's share of a step (>= 0, seconds): part of every
+            speculative step's measured cost, not of a target-only step, so it is taken off the
+            cost of the target-only step the allocation is compared with (at most down to 10 %
+            of it).
 
     Returns:
         the :class:`Allocation`.
@@ -452,7 +487,8 @@ def allocate_budgets(
     rows = base_rows + best_k
     seconds = float(cost(rows_k[best_k : best_k + 1])[0])
     expected_tokens = num + sum(expected)
-    target_only_rate = num / float(cost(torch.tensor([float(extra_tokens + num)]))[0])
+    plain = float(cost(torch.tensor([float(extra_tokens + num)]))[0])
+    target_only_rate = num / max(plain - drafter_seconds, 0.1 * plain)
     return Allocation(
         budgets=budgets,
         expected_accepted=expected,
@@ -461,6 +497,7 @@ def allocate_budgets(
         tokens=rows,
         chain_fallback=all(b == 1 for b in budgets),
         speculation_pays=expected_tokens / seconds > target_only_rate,
+        target_only_rate=target_only_rate,
     )
 
 
@@ -478,6 +515,8 @@ class BudgetStats:
         predicted_accepted: sum of expected accepted drafts over observed trees.
         observed_accepted: sum of accepted drafts over the same trees.
         chain_fallback_steps: allocations where every request got one node.
+        unprofitable_steps: allocations whose expected rate was below the predicted
+            target-only rate (speculation costs more than it gains).
         last_budgets: the last allocation's budgets.
     """
 
@@ -487,6 +526,7 @@ class BudgetStats:
     predicted_accepted: float = 0.0
     observed_accepted: int = 0
     chain_fallback_steps: int = 0
+    unprofitable_steps: int = 0
     last_budgets: list[int] = field(default_factory=list)
 
 
@@ -528,8 +568,10 @@ class BudgetController:
         self.figures = figures
         self.chain_fallback = False
         self.speculation_pays = True
-        self._logged_fallback = False
+        self._logged_fallback = self._logged_unprofitable = False
         self._pending: dict[str, float] = {}
+        #: Moving average of the drafter pass's seconds per step (:meth:`observe_drafter`).
+        self.drafter_seconds = 0.0
 
     def allocate(self, req_ids: Sequence[str], path_log_probs: Sequence[torch.Tensor],
                  token_budget: int | None = None, extra_tokens: int = 0) -> list[int]:
@@ -546,9 +588,9 @@ class BudgetController:
         """
         if len(req_ids) != len(path_log_probs):
             raise ValueError(f"{len(req_ids)} req_ids but {len(path_log_probs)} trees")
-        values = [marginal_values(p, self.calibrator) for p in path_log_probs]
+        values = _batch_marginal_values(path_log_probs, self.calibrator)
         alloc = allocate_budgets(values, self.cost.seconds, self.max_budget, token_budget,
-                                 extra_tokens)
+                                 extra_tokens, drafter_seconds=self.drafter_seconds)
         budgets = alloc.budgets
         self.stats.steps += 1
         if (self.probe_every and self.stats.steps % self.probe_every == 0
@@ -568,7 +610,18 @@ class BudgetController:
         self.speculation_pays = alloc.speculation_pays
         if self.figures is not None:
             self.figures.add(auto_trees=len(budgets), auto_nodes=sum(budgets),
-                             auto_chain_fallback_steps=int(alloc.chain_fallback))
+                             auto_chain_fallback_steps=int(alloc.chain_fallback),
+                             auto_unprofitable_steps=int(not alloc.speculation_pays))
+        if not alloc.speculation_pays:
+            self.stats.unprofitable_steps += 1
+            if not self._logged_unprofitable and self.cost.num_observations >= self.cost.window:
+                self._logged_unprofitable = True  # once the cost model has a full window
+                logger.warning(
+                    "DDTree auto budget: target-only decoding is predicted faster than any draft "
+                    "tree here (%.0f tokens/s vs %.0f with the best trees, %d requests): "
+                    "consider turning speculative decoding off (vllm:ddtree_auto_unprofitable_"
+                    "steps counts such steps)", alloc.target_only_rate,
+                    alloc.tokens_per_second, len(budgets))
         if alloc.chain_fallback:
             self.stats.chain_fallback_steps += 1
             if not self._logged_fallback:
@@ -583,28 +636,57 @@ class BudgetController:
 
     def observe_tree(self, req_id: str, path_log_probs: torch.Tensor, accepted_nodes:
                      Sequence[int]) -> None:
-        """Fold one verified tree into the calibration.
+        """Fold one verified tree into the calibration (:meth:`observe_trees` of one)."""
+        self.observe_trees([(req_id, path_log_probs, accepted_nodes)])
+
+    def observe_trees(self, trees: Sequence[tuple[str, torch.Tensor, Sequence[int]]]) -> None:
+        """Fold one step's verified trees into the calibration, in one update.
 
         Args:
-            req_id: its request (matches the prediction made in :meth:`allocate`, if any).
-            path_log_probs: ``[n + 1]`` ``DraftTree.path_log_probs`` of the tree as verified.
-            accepted_nodes: node indices of the accepted path, starting with the root 0.
+            trees: per tree ``(req_id, path_log_probs, accepted_nodes)``: its request (matches
+                the prediction made in :meth:`allocate`, if any), ``[n + 1]``
+                ``DraftTree.path_log_probs`` of the tree as verified, and the node indices of
+                the accepted path starting with the root 0.
+
+        Raises:
+            ValueError: an accepted node index outside its tree.
         """
-        n = path_log_probs.numel() - 1
-        acc = torch.zeros(n, dtype=torch.bool)
-        idx = [i - 1 for i in accepted_nodes if i > 0]
-        if any(not 0 <= i < n for i in idx):
-            raise ValueError(f"accepted node indices {list(accepted_nodes)} outside a tree of "
-                             f"{n} nodes")
-        acc[idx] = True
-        q = path_log_probs[1:].detach().double().cpu().exp().clamp(0.0, 1.0)
-        self.calibrator.observe(q, acc)
-        pred = self._pending.pop(req_id, None)
-        if pred is not None:
-            self.stats.predicted_accepted += pred
-            self.stats.observed_accepted += len(idx)
-            if self.figures is not None:
-                self.figures.add(auto_predicted_accepted=pred, auto_observed_accepted=len(idx))
+        qs, accs = [], []
+        for req_id, path_log_probs, accepted_nodes in trees:
+            n = path_log_probs.numel() - 1
+            acc = torch.zeros(n, dtype=torch.bool)
+            idx = [i - 1 for i in accepted_nodes if i > 0]
+            if any(not 0 <= i < n for i in idx):
+                raise ValueError(f"accepted node indices {list(accepted_nodes)} outside a tree "
+                                 f"of {n} nodes")
+            acc[idx] = True
+            qs.append(path_log_probs[1:].detach().double().cpu())
+            accs.append(acc)
+            pred = self._pending.pop(req_id, None)
+            if pred is not None:
+                self.stats.predicted_accepted += pred
+                self.stats.observed_accepted += len(idx)
+                if self.figures is not None:
+                    self.figures.add(auto_predicted_accepted=pred,
+                                     auto_observed_accepted=len(idx))
+        if qs:
+            self.calibrator.observe(torch.cat(qs).exp().clamp(0.0, 1.0), torch.cat(accs))
+
+    def build_cap(self) -> int:
+        """How many nodes to build per tree before :meth:`allocate` cuts them: twice the largest
+        budget of the last allocation (at least 8, at most ``max_budget``), so a budget can double
+        from one step to the next (probes included) without building ``B_max`` nodes for every
+        request each step. Exact at any cap: the best-first pop order's first ``b`` nodes do not
+        depend on how many more are built."""
+        last = max(self.stats.last_budgets, default=self.max_budget)
+        return min(self.max_budget, max(8, 2 * last))
+
+    def observe_drafter(self, seconds: float) -> None:
+        """Record one drafter pass's wall time (seconds > 0), a part of every speculative step
+        that target-only decoding does not pay; kept as a moving average (weight 0.1)."""
+        s = _check_pos_float("seconds", seconds)
+        self.drafter_seconds = s if self.drafter_seconds == 0.0 else (
+            0.9 * self.drafter_seconds + 0.1 * s)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """Record one step's verified rows and wall time (see :meth:`StepCostModel.observe`)."""

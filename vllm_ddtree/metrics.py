@@ -61,7 +61,7 @@ WORKER_FIGURES = ("tree_build_seconds", "tree_builds", "kv_compaction_seconds",
                   "kv_compactions", "shadow_steps", "shadow_tree_accepted",
                   "shadow_chain_accepted", "auto_trees", "auto_nodes",
                   "auto_predicted_accepted", "auto_observed_accepted",
-                  "auto_chain_fallback_steps")
+                  "auto_chain_fallback_steps", "auto_unprofitable_steps")
 
 #: ``ModelRunnerOutput`` attribute carrying a step's :class:`WorkerFigures` to the scheduler.
 OUTPUT_ATTR = "ddtree_figures"
@@ -85,6 +85,7 @@ class DDTreeSpecDecodingStats(SpecDecodingStats):
         auto_predicted_accepted, auto_observed_accepted: over the verified ones, the drafts
             the calibrated drafter expected to be accepted and those accepted.
         auto_chain_fallback_steps: steps where no tree larger than one node paid.
+        auto_unprofitable_steps: steps where target-only decoding was predicted faster.
     """
 
     tree_build_seconds: float = 0.0
@@ -99,6 +100,7 @@ class DDTreeSpecDecodingStats(SpecDecodingStats):
     auto_predicted_accepted: float = 0.0
     auto_observed_accepted: int = 0
     auto_chain_fallback_steps: int = 0
+    auto_unprofitable_steps: int = 0
 
 
 #: What the worker sends: :data:`WORKER_FIGURES`, and ``padding_rows``: verified rows past a
@@ -286,6 +288,9 @@ _FIGURE_SERIES = {
     "auto_chain_fallback_steps": ("auto_chain_fallback_steps",
                                   "DDTree auto budget: steps where no tree larger than one "
                                   "node paid for its verification."),
+    "auto_unprofitable_steps": ("auto_unprofitable_steps",
+                                "DDTree auto budget: steps where target-only decoding was "
+                                "predicted faster than speculation."),
 }
 
 
@@ -311,9 +316,10 @@ class DDTreeStatLogger(StatLoggerBase):
       the drafts they / the verified chains accept (would-be τ = 1 + tree accepted / steps);
     * ``vllm:ddtree_auto_trees``, ``vllm:ddtree_auto_nodes``,
       ``vllm:ddtree_auto_predicted_accepted_tokens``, ``vllm:ddtree_auto_accepted_tokens``,
-      ``vllm:ddtree_auto_chain_fallback_steps`` — ``ddtree_budget="auto"`` only: the budget in
-      force (nodes / trees), predicted vs accepted, steps that fell back to one-node chains
-      (``vllm:ddtree_node_budget`` is then the cap ``B_max``).
+      ``vllm:ddtree_auto_chain_fallback_steps``, ``vllm:ddtree_auto_unprofitable_steps`` —
+      ``ddtree_budget="auto"`` only: the budget in force (nodes / trees), predicted vs accepted,
+      steps that fell back to one-node chains, steps where target-only decoding was predicted
+      faster (``vllm:ddtree_node_budget`` is then the cap ``B_max``).
     """
 
     def __init__(self, vllm_config: Any, engine_index: int = 0):
@@ -404,10 +410,11 @@ class DDTreeStatLogger(StatLoggerBase):
         if f["auto_trees"]:
             logger.info(
                 "DDTree auto budget (engine %d): mean node budget %.1f (1..%d), drafts expected "
-                "to be accepted %.1f vs accepted %d, one-node chains in %d steps",
-                self.engine_index, f["auto_nodes"] / f["auto_trees"], self.config.budget,
+                "to be accepted %.1f vs accepted %d, one-node chains in %d steps, target-only "
+                "predicted faster in %d steps", self.engine_index,
+                f["auto_nodes"] / f["auto_trees"], self.config.budget,
                 f["auto_predicted_accepted"], f["auto_observed_accepted"],
-                f["auto_chain_fallback_steps"])
+                f["auto_chain_fallback_steps"], f["auto_unprofitable_steps"])
         if f["shadow_steps"]:
             logger.info(
                 "DDTree shadow_linear (engine %d): verified chain τ %.2f; the draft trees would "

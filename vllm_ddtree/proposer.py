@@ -137,7 +137,11 @@ class DDTreeProposer(DFlashProposer):
             controller chose (:meth:`_propose_auto`).
         """
         L = self.ddtree.drafter_horizon
+        t0 = time.perf_counter()
         super().propose(L, *args, **kwargs)
+        if self.controller is not None:
+            # What a target-only step would not pay (its predicted rate is compared with trees').
+            self.controller.observe_drafter(time.perf_counter() - t0)
         # vLLM's other code paths (dummy runs) read the slot count.
         self.num_speculative_tokens = self.ddtree.num_verify_slots
         logits = self._ddtree_logits
@@ -208,9 +212,8 @@ class DDTreeProposer(DFlashProposer):
         """
         if self.controller is None:
             return
-        for r in step.requests:
-            if r.proposed and r.accepted:
-                self.controller.observe_tree(r.req_id, r.tree.path_log_probs, r.accepted)
+        self.controller.observe_trees([(r.req_id, r.tree.path_log_probs, r.accepted)
+                                       for r in step.requests if r.proposed and r.accepted])
 
     def build_trees(self, req_ids: list[str], log_probs: torch.Tensor) -> list[DraftTree]:
         """Best-first draft trees (paper Alg. 1), one per request.
@@ -220,12 +223,15 @@ class DDTreeProposer(DFlashProposer):
             log_probs: ``[R, L, V]`` float32 drafter log-probs, row ``i`` for ``req_ids[i]``.
 
         Returns:
-            one :class:`~vllm_ddtree.tree.DraftTree` per request (B nodes each); ``log_probs``
-            is kept as :attr:`last_log_probs`.
+            one :class:`~vllm_ddtree.tree.DraftTree` per request (B nodes each; with
+            ``ddtree_budget="auto"`` :meth:`BudgetController.build_cap
+            <vllm_ddtree.budget.BudgetController.build_cap>` nodes); ``log_probs`` is kept as
+            :attr:`last_log_probs`.
         """
         self.last_log_probs = log_probs
+        budget = self.ddtree.budget if self.controller is None else self.controller.build_cap()
         with self.ddtree_figures.timed("tree_build"):
-            return build_draft_trees(log_probs, self.ddtree.budget, self.ddtree.max_children)
+            return build_draft_trees(log_probs, budget, self.ddtree.max_children)
 
     def _propose_shadow(self, req_ids: list[str], log_probs: torch.Tensor,
                         trees: list[DraftTree]) -> torch.Tensor:
