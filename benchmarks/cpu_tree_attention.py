@@ -37,9 +37,12 @@ def parse_args(argv=None):
     p.add_argument("--depth", type=int, default=15, help="drafter horizon L")
     p.add_argument("--sharpness", type=float, nargs="+", default=[1.0, 3.0])
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--old-rev", default="de75dd8")
+    p.add_argument("--old-rev", default="7400fda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--shape", type=int, nargs=3, default=[16, 8, 128],
+                   metavar=("HEADS", "KV_HEADS", "HEAD_SIZE"),
+                   help="default: Qwen3-0.6B's; the shipped trained pair's target is 4 2 64")
     return p.parse_args(argv)
 
 
@@ -50,6 +53,7 @@ def load_old(rev):
     path.write_text(src)
     spec = importlib.util.spec_from_file_location(f"ddtree_cpu_attn_{rev}", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
     spec.loader.exec_module(mod)
     return mod
 
@@ -73,7 +77,7 @@ def main(argv=None):
     cpu_attn.get_current_vllm_config = lambda: SimpleNamespace(
         model_config=SimpleNamespace(dtype=dtype))
     old_mod = load_old(args.old_rev)
-    H, Hkv, D, bs = 16, 8, 128, args.block_size
+    (H, Hkv, D), bs = args.shape, args.block_size
     isa = _get_attn_isa(dtype, bs, D)
     impl_args = (H, D, D ** -0.5, Hkv, None, None, "auto")
     impls = {"old": old_mod.DDTreeCPUAttentionImpl(*impl_args),
@@ -168,7 +172,7 @@ def main(argv=None):
                         q[rows], torch.cat([prefix[r][0], k[rows]]), torch.cat([prefix[r][1], v[rows]]),
                         ctx[r], trees[r].ancestor_mask, D ** -0.5)
                     ref_err = max(ref_err, float((ref.float() - outs["new"][rows].float()).abs().max()))
-                chains = max(len(new_mod.tree_chains(t.ancestor_mask)) for t in trees)
+                chains = max(len(old_mod.tree_chains(t.ancestor_mask)) for t in trees)
                 offs = max(int((t.depths != torch.arange(t.num_nodes + 1)).sum()) for t in trees)
                 print(f"| {B} | {R} | {sharp:g} | {chains} | {offs} | {med['causal']:.1f} | "
                       f"{med['old']:.1f} | {med['new']:.1f} | {med['old'] / med['new']:.1f}× | "

@@ -35,6 +35,7 @@ from vllm_ddtree.attention.cpu import (  # noqa: E402
 )
 from vllm_ddtree.attention.paged import (  # noqa: E402
     gather_paged_kv,
+    gather_paged_kv_heads,
     tree_attention_reference,
 )
 
@@ -245,6 +246,17 @@ def test_gather_paged_kv_reads_what_the_writer_wrote(isa, head_size, block_size,
     part_k, part_v = gather_paged_kv(key_cache, value_cache, block_row, block_size + 3, isa)
     assert torch.equal(part_k, keys[:block_size + 3]) and torch.equal(part_v,
                                                                       values[:block_size + 3])
+    # the batched, head-major form: two requests, the second with the blocks in reverse order
+    table = torch.stack([block_row[:4], block_row[:4].flip(0)])
+    heads_k, heads_v = gather_paged_kv_heads(key_cache, value_cache, table, isa)
+    assert heads_k.shape == (2, num_kv_heads, 4 * block_size, head_size)
+    assert torch.equal(heads_k[0, :, :num_tokens], keys.transpose(0, 1))
+    assert torch.equal(heads_v[0, :, :num_tokens], values.transpose(0, 1))
+    for j in (1, 2, 3):  # request 1's block j is request 0's block 3 - j (full blocks only)
+        src = slice((3 - j) * block_size, (4 - j) * block_size)
+        dst = slice(j * block_size, (j + 1) * block_size)
+        assert torch.equal(heads_k[1, :, dst], keys[src].transpose(0, 1))
+        assert torch.equal(heads_v[1, :, dst], values[src].transpose(0, 1))
     empty_k, empty_v = gather_paged_kv(key_cache, value_cache, block_row, 0, isa)
     assert empty_k.shape == (0, num_kv_heads, head_size) and empty_v.shape == empty_k.shape
     # the reader must not have touched the cache
@@ -477,8 +489,8 @@ def test_impl_rejects_tree_inconsistent_with_metadata(model_dtype):
             ours.forward(layer, sc.query, sc.key, sc.value, sc.kv_cache, sc.metadata, output)
 
 
-# --------------------------------------------------------------------------- chain decomposition
-from vllm_ddtree.attention.cpu import tree_chains  # noqa: E402
+# --------------------------------------------------------------------------- off-spine rows and chains
+from vllm_ddtree.attention.cpu import off_spine_rows, tree_chains  # noqa: E402
 
 TREES = {
     "chain": [-1, 0, 1, 2, 3],
@@ -533,6 +545,29 @@ def test_tree_chains_rejects_masks_that_are_not_trees():
         tree_chains(bad)
 
 
+@pytest.mark.parametrize("name", sorted(TREES))
+def test_off_spine_rows_are_the_rows_a_causal_query_gets_wrong(name):
+    parents = TREES[name]
+    mask = parents_to_mask(parents)
+    n = len(parents)
+    spine = [i for i in range(n) if _path(parents, i) == list(range(i + 1))]
+    assert off_spine_rows(mask).tolist() == [i for i in range(n) if i not in spine]
+    if name == "chain":
+        assert off_spine_rows(mask).numel() == 0
+
+
+def test_off_spine_rows_rejects_masks_that_are_not_ancestor_masks():
+    good = parents_to_mask([-1, 0, 1, 0])
+    with pytest.raises(ValueError, match="ancestor-or-self"):
+        off_spine_rows(good.t().contiguous())  # descendants instead of ancestors
+    bad = good.clone()
+    bad[2, 2] = False
+    with pytest.raises(ValueError, match="ancestor-or-self"):
+        off_spine_rows(bad)
+    with pytest.raises(ValueError, match=r"\[n, n\]"):
+        off_spine_rows(good[:, :3])
+
+
 def _per_node_kernel(sc, impl, requests, head_size, block_size):
     """The per-node method (one-token causal query per tree row over its ancestor path laid out
     in the tree's slots, through vLLM's kernel), applied to a copy of the cache."""
@@ -575,13 +610,14 @@ def _per_node_kernel(sc, impl, requests, head_size, block_size):
     (torch.bfloat16, 64, 32),
     (torch.bfloat16, 128, 128),  # the 0.6B head shape
 ])
-def test_chain_decomposition_equals_reference_and_per_node_kernel(model_dtype, dtype, head_size,
-                                                                   block_size):
+def test_tree_rows_equal_reference_and_per_node_kernel(model_dtype, dtype, head_size,
+                                                       block_size):
     """Several requests of different tree shapes and sizes next to plain rows: tree rows equal
-    the ancestor-only reference and the per-node kernel method (fp32: to 1e-6; bf16: at most one
-    bf16 ulp in an element, since vLLM's kernel rounds a row differently in different call
-    shapes), spine rows and non-tree rows are vLLM's bits, the cache ends as vLLM leaves it, and
-    every layer of the step reuses one wave plan."""
+    the ancestor-only reference and vLLM's kernel run once per node over its ancestor path
+    (fp32, one torch attention call: to 1e-6; bf16, vLLM's kernel per chain: at most one bf16
+    ulp in an element, since the kernel rounds a row differently in different call shapes),
+    spine rows and non-tree rows are vLLM's bits, the cache ends as vLLM leaves it, and every
+    layer of the step reuses one plan."""
     model_dtype["dtype"] = dtype
     heads, kv_heads = 8, 2
     names = ["bushy", None, "deep", "chain", "leaves", "spine_then_fork"]

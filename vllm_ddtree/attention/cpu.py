@@ -11,13 +11,22 @@ verification forward:
 * ``do_kv_cache_update`` additionally records the layer's fresh K/V for KV compaction;
 * ``forward`` runs vLLM's kernel for the whole batch, then recomputes the tree rows that the
   causal result got wrong (rows with a sibling branch among their predecessors) under the
-  ancestor-only mask of the DDTree paper (§3) — again with vLLM's own kernel, one causal query
-  per chain (a root→leaf path suffix, :func:`tree_chains`) over the path laid out contiguously
-  in the tree's KV slots, so tree rows are rounded by the same kernel as a chain verification
-  (vLLM's DFlash) rounds its rows, in bf16 as in fp32. The torch
-  :func:`vllm_ddtree.attention.paged.tree_attention_reference` is the test oracle. This plays
-  the role of the removed ``tree_attn.py``'s ``qq_bias`` path (vLLM PR #20401, removed by
-  #42121) with a per-request mask.
+  ancestor-only mask of the DDTree paper (§3). How depends on the cache dtype:
+
+  - **float32**: one batched ``torch.nn.functional.scaled_dot_product_attention`` call per layer
+    for all such rows of all requests, over each request's keys/values read back from the paged
+    cache once (:func:`~vllm_ddtree.attention.paged.gather_paged_kv_heads`). In float32 no
+    method rounds a tree row bit-identically to a decode row (vLLM's kernel itself does not: its
+    result moves in the last bits with the call's shape), and reading the context once per
+    request instead of once per chain is what makes large trees affordable.
+  - **bf16 / fp16**: vLLM's own kernel, one causal query per chain (a root→leaf path suffix,
+    :func:`tree_chains`) over the path laid out contiguously in the tree's KV slots, so tree rows
+    round like vLLM's own verification rows; in these dtypes torch's attention differs from
+    vLLM's kernel by an ulp often enough to flip greedy near-ties against target-only decoding.
+
+  The torch :func:`vllm_ddtree.attention.paged.tree_attention_reference` is the test oracle.
+  This plays the role of the removed ``tree_attn.py``'s ``qq_bias`` path (vLLM PR #20401,
+  removed by #42121) with a per-request mask.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.v1.attention.backend import AttentionLayer, AttentionType
@@ -39,9 +49,84 @@ from vllm_ddtree.attention.common import (
     TreeAttentionRequest,
     active_tree_batch,
 )
-from vllm_ddtree.attention.paged import gather_paged_kv
+from vllm_ddtree.attention.paged import gather_paged_kv, gather_paged_kv_heads
 
-__all__ = ["DDTreeCPUAttentionBackend", "DDTreeCPUAttentionImpl", "tree_chains"]
+__all__ = ["DDTreeCPUAttentionBackend", "DDTreeCPUAttentionImpl", "off_spine_rows", "tree_chains"]
+
+
+def off_spine_rows(ancestor_mask: torch.Tensor) -> torch.Tensor:
+    """The rows of a draft tree that a causal query over the tree's rows gets wrong.
+
+    Row ``i`` of a causal query sees rows ``0 … i``; that is its ancestor-or-self set exactly
+    when ``i`` lies on the tree's first root-to-leaf path in node order (the spine: nodes
+    ``0 … i`` are ``i``'s ancestors). Every other row has a sibling branch among its
+    predecessors and must be recomputed under the ancestor mask.
+
+    Args:
+        ancestor_mask: ``[n, n]`` bool (any device), row ``i`` true at ``j`` iff ``j`` is ``i`` or
+            an ancestor of ``i``, as in :class:`~vllm_ddtree.attention.common.TreeAttentionRequest`.
+
+    Returns:
+        ``[k]`` long (CPU), increasing: the rows whose mask row differs from the causal row.
+
+    Raises:
+        ValueError: ``ancestor_mask`` is not ``[n, n]`` with ``n >= 1``, or not an
+            ancestor-or-self mask in topological order (a row missing itself, or seeing a later
+            row).
+    """
+    _, need = _padded_off_spine([ancestor_mask])
+    return need[0].nonzero().flatten()
+
+
+def _padded_off_spine(masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`off_spine_rows` for several trees at once, padded to the largest.
+
+    Returns:
+        ``(A, need)``: ``A`` ``[R, n, n]`` bool the masks (CPU, zero-padded), ``need`` ``[R, n]``
+        bool the off-spine rows (false on padding).
+
+    Raises:
+        ValueError: see :func:`off_spine_rows`.
+    """
+    sizes = []
+    for mask in masks:
+        if mask.dim() != 2 or mask.shape[0] != mask.shape[1] or mask.shape[0] < 1:
+            raise ValueError(f"ancestor_mask must be [n, n] with n >= 1, got {tuple(mask.shape)}")
+        sizes.append(mask.shape[0])
+    n = max(sizes)
+    a = torch.zeros(len(masks), n, n, dtype=torch.bool)
+    for t, mask in enumerate(masks):
+        a[t, : sizes[t], : sizes[t]] = mask.to("cpu", torch.bool)
+    real = torch.arange(n) < torch.tensor(sizes)[:, None]  # [R, n]
+    if not torch.equal(a.diagonal(dim1=1, dim2=2), real) or bool(a.triu(1).any()):
+        raise ValueError("ancestor_mask is not an ancestor-or-self mask in topological order "
+                         "(every row must see itself and only earlier rows)")
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    return a, (a != causal).any(2) & real
+
+
+@dataclass
+class _TreeRowPlan:
+    """A step's tree-row recomputation for one attention-metadata object (all layers share it).
+
+    ``R`` requests with off-spine rows, at most ``k`` such rows each, ``g = num_heads //
+    num_kv_heads`` query heads per KV head, ``S = m * block_size`` keys read per request.
+
+    ``block_table``: ``[R, m]`` blocks to read (vLLM's block-table rows; entries past a
+    request's own blocks are masked out).
+    ``query_index``: ``[R * k]`` long flat query rows, request-major (padding repeats the
+    request's first off-spine row). ``mask``: ``[R, 1, g * k, S]`` bool, the ancestor-only mask
+    in SDPA's layout (context keys, then ancestor-or-self tree keys; head-group major rows).
+    ``result_index``: ``[q]`` long positions of the real rows among the ``R * k``;
+    ``rows``: ``[q]`` long their flat output rows.
+    """
+
+    block_table: torch.Tensor
+    query_index: torch.Tensor
+    mask: torch.Tensor
+    result_index: torch.Tensor
+    rows: torch.Tensor
+    max_rows: int
 
 
 def tree_chains(ancestor_mask: torch.Tensor) -> list[tuple[list[int], int]]:
@@ -251,8 +336,11 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
             layer, query, key, value, kv_cache, attn_metadata, output,
             output_scale, output_block_scale,
         )
-        self._overwrite_tree_rows(layer, query, key, value, kv_cache, attn_metadata, output,
-                                  batch)
+        if kv_cache.dtype == torch.float32:
+            self._attend_tree_rows_at_once(layer, query, kv_cache, attn_metadata, output, batch)
+        else:
+            self._overwrite_tree_rows(layer, query, key, value, kv_cache, attn_metadata, output,
+                                      batch)
         return result
 
     def _refuse_unsupported_tree_features(self, attn_metadata: CPUAttentionMetadata) -> None:
@@ -275,6 +363,121 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
                 + " on tree rows"
             )
 
+    def _attend_tree_rows_at_once(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: CPUAttentionMetadata,
+        output: torch.Tensor,
+        batch: TreeAttentionBatch,
+    ) -> None:
+        """Float32 caches: recompute every off-spine tree row in one attention call.
+
+        A row whose ancestor-or-self set is ``{0 … i}`` (the root and a spine prefix) already got
+        the right result from vLLM's causal kernel and keeps its bits. All other rows of all
+        tree requests are recomputed in **one** ``scaled_dot_product_attention`` call: each
+        request's committed context and tree K/V are read back from the paged cache once (this
+        step's K/V are already there, written by :meth:`do_kv_cache_update`, so a layer sharing
+        another layer's cache needs nothing else) and every off-spine row attends to the context
+        and its ancestor-or-self nodes under a boolean mask; grouped-query heads are folded into
+        the query rows so each KV head is read once.
+
+        The plan (block table, query rows, mask) depends only on the trees and this step's
+        attention metadata, so it is built once per forward and cached in
+        ``batch.backend_cache`` for every layer with the same metadata object and heads.
+
+        Rounding: torch's CPU attention, not vLLM's kernel, rounds these rows (~1e-7 relative
+        apart); vLLM's kernel itself moves a row by as much with the call's shape (query length,
+        the other requests of the call, split-KV scheduling). The ancestor mask is exact.
+        Reading the context once per request instead of once per root→leaf chain (vLLM's kernel
+        takes one contiguous sequence per query) is what makes large trees affordable.
+        """
+        isa = getattr(layer, "isa", None)
+        if isa is None:
+            raise ValueError("attention layer has no 'isa' (set by CPUAttentionMetadataBuilder)")
+        plan = self._tree_row_plan(batch, attn_metadata, kv_cache.shape[2], query.device)
+        if plan is None:
+            return
+        out = output.view(output.shape[0], self.num_heads, -1) if output.dim() == 2 else output
+        num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+        key_cache, value_cache = kv_cache.view(
+            num_blocks, num_kv_heads, 2 * block_size, -1
+        ).chunk(2, dim=2)
+        keys, values = gather_paged_kv_heads(key_cache, value_cache, plan.block_table, isa)
+        r, k = plan.block_table.shape[0], plan.max_rows
+        g = self.num_heads // num_kv_heads
+        q = (query.index_select(0, plan.query_index)
+             .view(r, k, num_kv_heads, g, -1).permute(0, 2, 3, 1, 4).reshape(r, num_kv_heads,
+                                                                             g * k, -1))
+        res = F.scaled_dot_product_attention(
+            q.to(keys.dtype), keys, values, attn_mask=plan.mask, scale=self.scale)
+        res = res.view(r, num_kv_heads, g, k, -1).permute(0, 3, 1, 2, 4).reshape(
+            r * k, self.num_heads, -1)
+        out.index_copy_(0, plan.rows, res.index_select(0, plan.result_index).to(out.dtype))
+
+    def _tree_row_plan(self, batch: TreeAttentionBatch, attn_metadata: CPUAttentionMetadata,
+                       block_size: int, device: torch.device) -> "_TreeRowPlan | None":
+        """This step's :class:`_TreeRowPlan` for ``attn_metadata`` (cached in ``batch``).
+
+        Raises:
+            ValueError / NotImplementedError: see :meth:`forward` (checked when the plan is
+                built, i.e. once per metadata object and head configuration).
+        """
+        key = ("cpu_tree_rows", id(attn_metadata), block_size, str(device), self.num_heads,
+               self.num_kv_heads)
+        hit = batch.backend_cache.get(key)
+        if hit is not None and hit[0] is attn_metadata:
+            return hit[1]
+        plan = self._build_tree_row_plan(batch, attn_metadata, block_size, device)
+        batch.backend_cache[key] = (attn_metadata, plan)  # holds the metadata: its id stays unique
+        return plan
+
+    def _build_tree_row_plan(self, batch, attn_metadata, block_size, device):
+        query_start_loc = attn_metadata.query_start_loc.tolist()
+        seq_lens = attn_metadata.seq_lens.tolist()
+        dynamic_causal = attn_metadata.dynamic_causal
+        for req in batch.requests:
+            self._check_request(req, query_start_loc, seq_lens, attn_metadata.num_actual_tokens)
+            if dynamic_causal is not None and not bool(dynamic_causal[req.batch_index]):
+                raise NotImplementedError(
+                    "DDTree tree attention on CPU does not support non-causal attention on tree "
+                    f"rows (request {req.batch_index})"
+                )
+        a, need = _padded_off_spine([req.ancestor_mask for req in batch.requests])
+        count = need.sum(1)
+        todo = count.nonzero().flatten()
+        if todo.numel() == 0:
+            return None
+        a, need, count = a[todo], need[todo], count[todo]
+        reqs = [batch.requests[t] for t in todo.tolist()]
+        r, n = a.shape[:2]
+        k = int(count.max())
+        ctx = torch.tensor([req.context_len for req in reqs])
+        size = torch.tensor([req.num_rows for req in reqs])
+        m = int(((ctx + size + block_size - 1) // block_size).max())
+        # Each request's off-spine rows first, in order; padding repeats its first one.
+        order = torch.sort((~need).to(torch.int8), dim=1, stable=True).indices[:, :k]
+        valid = torch.arange(k) < count[:, None]  # [r, k]
+        node = torch.where(valid, order, order[:, :1])
+        rel = torch.arange(m * block_size) - ctx[:, None]  # key position relative to the root
+        in_tree = (rel >= 0) & (rel < size[:, None])
+        tree_rows = a.gather(1, node[:, :, None].expand(r, k, n))  # [r, k, n]
+        mask = tree_rows.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(r, k, -1))
+        mask = (mask & in_tree[:, None, :]) | (rel < 0)[:, None, :]  # [r, k, S]
+        # Head-group-major rows, as the query is folded: row gi * k + i is head group gi, row i.
+        g = self.num_heads // self.num_kv_heads
+        mask = mask.unsqueeze(1).expand(r, g, k, -1).reshape(r, 1, g * k, -1)
+        query_index = torch.tensor([req.query_start for req in reqs])[:, None] + node
+        batch_index = torch.tensor([req.batch_index for req in reqs])
+        table = attn_metadata.block_table.to("cpu")[batch_index, :m]  # past a request: masked
+        result_index = (torch.arange(r)[:, None] * k + torch.arange(k))[valid]
+        return _TreeRowPlan(
+            block_table=table.to(device), query_index=query_index.flatten().to(device),
+            mask=mask.to(device), result_index=result_index.to(device),
+            rows=query_index[valid].to(device), max_rows=k,
+        )
+
     def _overwrite_tree_rows(
         self,
         layer: AttentionLayer,
@@ -286,7 +489,7 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         output: torch.Tensor,
         batch: TreeAttentionBatch,
     ) -> None:
-        """Recompute every tree row whose ancestors are not simply the rows before it.
+        """bf16 / fp16 caches: recompute off-spine tree rows with vLLM's kernel, chain by chain.
 
         A row whose ancestor-or-self set is ``{0 … i}`` (the root and a spine prefix) already got
         the right result from vLLM's causal kernel. Every other row is recomputed **with vLLM's

@@ -178,27 +178,66 @@ def gather_paged_kv(
             f"{num_tokens} tokens need {num_blocks} blocks, block table row has "
             f"{block_table_row.numel()}"
         )
-    blocks = block_table_row.reshape(-1)[:num_blocks].to(device=key_cache.device, dtype=torch.long)
-    # Advanced indexing copies each selected (block, head) interior into row-major memory, so the
+    blocks = block_table_row.reshape(1, -1)[:, :num_blocks]
+    keys, values = gather_paged_kv_heads(key_cache, value_cache, blocks, isa)
+    # [1, Hkv, m * bs, D] -> [num_tokens, Hkv, D]
+    keys = keys[0, :, :num_tokens].transpose(0, 1)
+    values = values[0, :, :num_tokens].transpose(0, 1)
+    return keys[:num_tokens].contiguous(), values[:num_tokens].contiguous()
+
+
+def gather_paged_kv_heads(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    isa: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read whole blocks of several requests out of the CPU paged cache, head-major.
+
+    The batched form of :func:`gather_paged_kv` (same layouts, see the module docstring), laid out
+    the way ``torch.nn.functional.scaled_dot_product_attention`` takes keys: token ``p`` of
+    request ``r`` is ``[r, :, p]``, read from block ``block_table[r, p // bs]`` at offset
+    ``p % bs``. Two copies of the selected blocks per tensor (index, then unpack), no Python loop.
+
+    Args:
+        key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_size]`` each (the
+            halves of the CPU backend's cache, as for :func:`gather_paged_kv`).
+        block_table: ``[R, m]`` integer block ids (any id for padding: its tokens are read too).
+        isa: the ISA string the backend wrote with (``layer.isa``).
+
+    Returns:
+        ``(keys, values)``, each ``[R, num_kv_heads, m * block_size, head_size]`` in the cache
+        dtype, contiguous.
+
+    Raises:
+        NotImplementedError: an ISA / dtype / shape whose layout was not verified (includes fp8).
+        ValueError: bad shapes.
+    """
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape or block_table.dim() != 2:
+        raise ValueError(
+            f"key_cache {tuple(key_cache.shape)} / value_cache {tuple(value_cache.shape)} must "
+            "both be [num_blocks, num_kv_heads, block_size, head_size], block_table [R, m]; got "
+            f"block_table {tuple(block_table.shape)}"
+        )
+    _, num_kv_heads, block_size, head_size = key_cache.shape
+    _check_layout_supported(isa, key_cache.dtype, block_size, head_size)
+    blocks = block_table.to(device=key_cache.device, dtype=torch.long)
+    r, m = blocks.shape
+    # index_select copies each selected (block, head) interior into row-major memory, so the
     # reshapes below reinterpret exactly the bytes the writer laid down.
-    k_raw = key_cache[blocks]  # [m, Hkv, bs, D] raw
-    v_raw = value_cache[blocks]
-    m = blocks.numel()
+    k_raw = key_cache.index_select(0, blocks.flatten()).view(r, m, *key_cache.shape[1:])
+    v_raw = value_cache.index_select(0, blocks.flatten()).view(r, m, *key_cache.shape[1:])
     if isa in ("vec", "vec16"):
-        keys = k_raw.reshape(m, num_kv_heads, head_size, block_size).transpose(2, 3)
-        values = v_raw.reshape(m, num_kv_heads, block_size, head_size)
+        keys = k_raw.reshape(r, m, num_kv_heads, head_size, block_size).permute(0, 2, 1, 4, 3)
+        values = v_raw.permute(0, 2, 1, 3, 4)  # [R, Hkv, m, bs, D]
     else:  # amx
         keys = (
-            k_raw.reshape(m, num_kv_heads, block_size // 16, head_size // 2, 16, 2)
-            .permute(0, 1, 2, 4, 3, 5)  # [m, Hkv, g, r, p, e]
-            .reshape(m, num_kv_heads, block_size, head_size)
+            k_raw.reshape(r, m, num_kv_heads, block_size // 16, head_size // 2, 16, 2)
+            .permute(0, 2, 1, 3, 5, 4, 6)  # [R, Hkv, m, g, r, p, e]
         )
         values = (
-            v_raw.reshape(m, num_kv_heads, head_size // 16, block_size // 2, 16, 2)
-            .permute(0, 1, 3, 5, 2, 4)  # [m, Hkv, q, e, c, r]
-            .reshape(m, num_kv_heads, block_size, head_size)
+            v_raw.reshape(r, m, num_kv_heads, head_size // 16, block_size // 2, 16, 2)
+            .permute(0, 2, 1, 4, 6, 3, 5)  # [R, Hkv, m, q, e, c, r]
         )
-    # [m, Hkv, bs, D] -> [m * bs, Hkv, D]
-    keys = keys.permute(0, 2, 1, 3).reshape(m * block_size, num_kv_heads, head_size)
-    values = values.permute(0, 2, 1, 3).reshape(m * block_size, num_kv_heads, head_size)
-    return keys[:num_tokens].contiguous(), values[:num_tokens].contiguous()
+    shape = (r, num_kv_heads, m * block_size, head_size)
+    return keys.reshape(shape).contiguous(), values.reshape(shape).contiguous()

@@ -1,0 +1,127 @@
+"""Where an engine step's time goes: target-only vs vLLM's DFlash chain vs DDTree, profiled.
+
+Runs each configuration on the shipped trained pair (batch 1, greedy, held-out prompts, in-process
+engine) once to warm up and once under ``cProfile``, then splits the profiled pass into the parts
+of a step by the cumulative time of the functions that do them (ms per engine step):
+
+- **target forward**: vLLM's ``GPUModelRunner._model_forward`` (the target's verification forward,
+  tree attention included); **tree attention**: the plugin's recomputation of off-spine tree rows
+  inside it (``DDTreeCPUAttentionImpl``);
+- **drafter**: ``GPUModelRunner.propose_draft_token_ids`` (the DFlash forward, plus tree building
+  for DDTree); **tree build**: the plugin's best-first trees inside it;
+- **sampling / verification**: ``GPUModelRunner._sample`` (vLLM's sampler or rejection sampler;
+  for DDTree the plugin's tree walk and KV compaction);
+- **step layout**: the plugin's ``plan_tree_step`` (rows, positions and masks of each tree).
+
+cProfile slows Python-heavy parts more than kernels, so read the columns as shares, and take
+speeds from ``benchmarks/e2e.py`` / ``benchmarks/auto_budget.py``.
+
+    python benchmarks/step_profile.py --configs AR DFlash B=8 B=64
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: column -> (file suffix, function names) whose cumulative time is summed (recursion-safe:
+#: cProfile's cumulative time counts a function once per outermost call).
+PARTS = {
+    "target forward": ("vllm/v1/worker/gpu_model_runner.py", ("_model_forward",)),
+    "tree attention": ("vllm_ddtree/attention/cpu.py",
+                       ("_attend_tree_rows_at_once", "_overwrite_tree_rows")),
+    "drafter": ("vllm/v1/worker/gpu_model_runner.py", ("propose_draft_token_ids",)),
+    "tree build": ("vllm_ddtree/proposer.py", ("build_trees",)),
+    "sampling / verification": ("vllm/v1/worker/gpu_model_runner.py", ("_sample",)),
+    "step layout": ("vllm_ddtree/step.py", ("plan_tree_step",)),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", nargs="+", default=["AR", "DFlash", "B=8", "B=64"])
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    return p.parse_args(argv)
+
+
+def spec_for(name: str, drafter: str) -> dict | None:
+    if name == "AR":
+        return None
+    if name == "DFlash":
+        return {"method": "dflash", "model": drafter, "num_speculative_tokens": 15}
+    if name.startswith("B="):
+        return {"method": "ddtree", "model": drafter, "ddtree_budget": int(name[2:])}
+    raise SystemExit(f"unknown config {name!r} (AR, DFlash or B=<n>)")
+
+
+def split(profile: cProfile.Profile) -> dict[str, float]:
+    """Seconds per column of :data:`PARTS` in ``profile``."""
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    out = {}
+    for col, (suffix, names) in PARTS.items():
+        out[col] = sum(ct for (file, _, name), (_, _, _, ct, _) in stats.items()
+                       if file.endswith(suffix) and name in names)
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from tests.support.models import apply_cpu_test_env
+
+    apply_cpu_test_env()
+    from vllm import SamplingParams
+
+    from tests.support import trained
+    from tests.support.models import make_llm, release_llm
+
+    target, drafter = (str(p) for p in trained.require())
+    prompts = trained.heldout_prompts(args.num_prompts)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    rows = []
+    for name in args.configs:
+        spec = spec_for(name, drafter)
+        llm = make_llm(target, **({"speculative_config": spec} if spec else {}))
+        engine, count = llm.llm_engine, [0]
+        step = engine.step
+
+        def counted(*a, _step=step, **k):
+            count[0] += 1
+            return _step(*a, **k)
+
+        engine.step = counted
+        for prompt in prompts:  # warm-up pass
+            llm.generate([prompt], params, use_tqdm=False)
+        count[0] = 0
+        profile = cProfile.Profile()
+        t0 = time.perf_counter()
+        profile.enable()
+        for prompt in prompts:
+            llm.generate([prompt], params, use_tqdm=False)
+        profile.disable()
+        wall = time.perf_counter() - t0
+        release_llm(llm)
+        steps = max(count[0], 1)
+        parts = {k: 1e3 * v / steps for k, v in split(profile).items()}
+        rows.append((name, 1e3 * wall / steps, parts))
+        print(f"{name}: {steps} steps, {1e3 * wall / steps:.2f} ms/step (profiled)", flush=True)
+    print("\n| config | step (profiled) | " + " | ".join(PARTS) + " | rest |")
+    print("|---|---|" + "---|" * (len(PARTS) + 1))
+    for name, step_ms, parts in rows:
+        rest = step_ms - parts["target forward"] - parts["drafter"] - parts["sampling / verification"]
+        print(f"| {name} | {step_ms:.1f} | " + " | ".join(f"{parts[c]:.2f}" for c in PARTS)
+              + f" | {rest:.2f} |")
+    print("\nms per engine step under cProfile; tree attention is part of the target forward, "
+          "tree build part of the drafter, step layout part of the rest.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
