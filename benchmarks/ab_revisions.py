@@ -108,7 +108,8 @@ def run_one(tree: Path, config: str, args) -> dict:
     res = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("AB_RESULT ")), None)
     if res.returncode or line is None:
-        raise RuntimeError(f"{config} in {tree} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{config} in {tree} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
     return {int(b): m for b, m in json.loads(line[len("AB_RESULT "):]).items()}
 
 

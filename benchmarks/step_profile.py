@@ -115,7 +115,8 @@ def main(argv=None) -> int:
     print("\n| config | step (profiled) | " + " | ".join(PARTS) + " | rest |")
     print("|---|---|" + "---|" * (len(PARTS) + 1))
     for name, step_ms, parts in rows:
-        rest = step_ms - parts["target forward"] - parts["drafter"] - parts["sampling / verification"]
+        rest = step_ms - sum(parts[c] for c in ("target forward", "drafter",
+                                                 "sampling / verification"))
         print(f"| {name} | {step_ms:.1f} | " + " | ".join(f"{parts[c]:.2f}" for c in PARTS)
               + f" | {rest:.2f} |")
     print("\nms per engine step under cProfile; tree attention is part of the target forward, "

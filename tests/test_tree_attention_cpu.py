@@ -248,7 +248,7 @@ def test_gather_paged_kv_reads_what_the_writer_wrote(isa, head_size, block_size,
                                                                       values[:block_size + 3])
     # the batched, head-major form: two requests, the second with the blocks in reverse order
     table = torch.stack([block_row[:4], block_row[:4].flip(0)])
-    heads_k, heads_v = gather_paged_kv_heads(key_cache, value_cache, table, isa)
+    heads_k, heads_v = gather_paged_kv_heads(kv, table, isa)
     assert heads_k.shape == (2, num_kv_heads, 4 * block_size, head_size)
     assert torch.equal(heads_k[0, :, :num_tokens], keys.transpose(0, 1))
     assert torch.equal(heads_v[0, :, :num_tokens], values.transpose(0, 1))
@@ -489,7 +489,7 @@ def test_impl_rejects_tree_inconsistent_with_metadata(model_dtype):
             ours.forward(layer, sc.query, sc.key, sc.value, sc.kv_cache, sc.metadata, output)
 
 
-# --------------------------------------------------------------------------- off-spine rows and chains
+# ------------------------------------------------------------------- off-spine rows and chains
 from vllm_ddtree.attention.cpu import off_spine_rows, tree_chains  # noqa: E402
 
 TREES = {

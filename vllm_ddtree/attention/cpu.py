@@ -400,11 +400,8 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         if plan is None:
             return
         out = output.view(output.shape[0], self.num_heads, -1) if output.dim() == 2 else output
-        num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
-        key_cache, value_cache = kv_cache.view(
-            num_blocks, num_kv_heads, 2 * block_size, -1
-        ).chunk(2, dim=2)
-        keys, values = gather_paged_kv_heads(key_cache, value_cache, plan.block_table, isa)
+        num_kv_heads = kv_cache.shape[1]
+        keys, values = gather_paged_kv_heads(kv_cache, plan.block_table, isa)
         r, k = plan.block_table.shape[0], plan.max_rows
         g = self.num_heads // num_kv_heads
         q = (query.index_select(0, plan.query_index)
