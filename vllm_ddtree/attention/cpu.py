@@ -224,6 +224,19 @@ class _WavePlan:
     restore_slots: torch.Tensor
 
 
+def _cached_plan(batch: TreeAttentionBatch, attn_metadata: CPUAttentionMetadata, key: tuple,
+                 build):
+    """``build()`` once per metadata object and ``key`` (the heads and layout a plan depends on);
+    every layer of the forward with the same metadata reuses it from ``batch.backend_cache``."""
+    key = (id(attn_metadata), *key)
+    hit = batch.backend_cache.get(key)
+    if hit is not None and hit[0] is attn_metadata:
+        return hit[1]
+    plan = build()
+    batch.backend_cache[key] = (attn_metadata, plan)  # holds the metadata: its id stays unique
+    return plan
+
+
 class DDTreeCPUAttentionBackend(CPUAttentionBackend):
     """``CPU_ATTN`` with tree-aware verification rows.
 
@@ -421,14 +434,9 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
             ValueError / NotImplementedError: see :meth:`forward` (checked when the plan is
                 built, i.e. once per metadata object and head configuration).
         """
-        key = ("cpu_tree_rows", id(attn_metadata), block_size, str(device), self.num_heads,
-               self.num_kv_heads)
-        hit = batch.backend_cache.get(key)
-        if hit is not None and hit[0] is attn_metadata:
-            return hit[1]
-        plan = self._build_tree_row_plan(batch, attn_metadata, block_size, device)
-        batch.backend_cache[key] = (attn_metadata, plan)  # holds the metadata: its id stays unique
-        return plan
+        key = ("cpu_tree_rows", block_size, str(device), self.num_heads, self.num_kv_heads)
+        return _cached_plan(batch, attn_metadata, key, lambda: self._build_tree_row_plan(
+            batch, attn_metadata, block_size, device))
 
     def _build_tree_row_plan(self, batch, attn_metadata, block_size, device):
         query_start_loc = attn_metadata.query_start_loc.tolist()
@@ -570,15 +578,10 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
             ValueError / NotImplementedError: see :meth:`forward` (checked when the plan is
                 built, i.e. once per metadata object and head configuration).
         """
-        key = ("cpu_waves", id(attn_metadata), isa, dtype, str(device), self.num_heads,
-               self.num_kv_heads, self.head_size, self.kv_cache_dtype,
-               bool(envs.VLLM_CPU_ATTN_SPLIT_KV))
-        hit = batch.backend_cache.get(key)
-        if hit is not None and hit[0] is attn_metadata:
-            return hit[1]
-        plan = self._build_wave_plan(batch, attn_metadata, isa, dtype, device)
-        batch.backend_cache[key] = (attn_metadata, plan)  # holds the metadata: its id stays unique
-        return plan
+        key = ("cpu_waves", isa, dtype, str(device), self.num_heads, self.num_kv_heads,
+               self.head_size, self.kv_cache_dtype, bool(envs.VLLM_CPU_ATTN_SPLIT_KV))
+        return _cached_plan(batch, attn_metadata, key, lambda: self._build_wave_plan(
+            batch, attn_metadata, isa, dtype, device))
 
     def _build_wave_plan(self, batch, attn_metadata, isa, dtype, device) -> "_WavePlan | None":
         query_start_loc = attn_metadata.query_start_loc.tolist()
