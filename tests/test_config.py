@@ -395,8 +395,10 @@ def test_auto_default_max_shrinks_to_what_fits(dflash_drafter):
         ({"ddtree_budget": "Auto"}, {}, r"ddtree_budget.*int >= 1 or 'auto'"),
         ({"ddtree_budget": "adaptive"}, {}, r"ddtree_budget.*'auto'"),
         ({"ddtree_max_budget": 16}, {}, r"ddtree_max_budget.*only allowed with "
-                                        r"ddtree_budget='auto'.*ddtree_budget=15"),
-        ({"ddtree_budget": 8, "ddtree_max_budget": 16}, {}, r"ddtree_max_budget.*only allowed"),
+                                        r"ddtree_budget='auto'.*ddtree_budget not given, so it "
+                                        r"defaults to L = 15"),
+        ({"ddtree_budget": 8, "ddtree_max_budget": 16}, {},
+         r"ddtree_max_budget.*only allowed.*got ddtree_budget=8\)"),
         ({"ddtree_budget": "auto", "ddtree_max_budget": 0}, {}, r"ddtree_max_budget.*int >= 1"),
         ({"ddtree_budget": "auto", "ddtree_max_budget": 2.5}, {}, r"ddtree_max_budget"),
         ({"ddtree_budget": "auto", "ddtree_max_budget": True}, {}, r"ddtree_max_budget"),

@@ -222,10 +222,11 @@ def translate_speculative_config(
                 f"ddtree_budget='auto' may choose) must be an int >= 1, got {max_budget!r}"
             )
     elif max_budget is not None:
+        given = (f"got ddtree_budget={budget!r}" if "ddtree_budget" in spec
+                 else f"ddtree_budget not given, so it defaults to L = {horizon}")
         raise DDTreeConfigError(
             "speculative_config['ddtree_max_budget'] is only allowed with "
-            f"ddtree_budget='auto' (got ddtree_budget={budget!r}); a fixed budget is its own "
-            "maximum"
+            f"ddtree_budget='auto' ({given}); a fixed budget is its own maximum"
         )
     elif not _is_int(budget) or budget < 1:
         raise DDTreeConfigError(

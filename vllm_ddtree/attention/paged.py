@@ -12,6 +12,8 @@ Two pieces, both free of vLLM imports so they also serve as test oracles:
   ``vllm/v1/attention/backends/cpu_attn.py``). The block-interior layout depends on the ISA
   string the CPU backend picked (``layer.isa``); only the layouts verified against that writer are
   read (see :data:`VERIFIED_ISAS`), anything else raises ``NotImplementedError``.
+  :func:`gather_paged_kv_heads` reads the same layouts for several requests at once, head-major
+  (the CPU backend's float32 tree rows attend over it).
 
 Layouts (per block ``b`` and KV head ``h``; the cache tensor is ``[num_blocks, num_kv_heads,
 block_size, 2 * head_size]``, viewed ``[nb, Hkv, 2 * bs, D]`` and split in halves, so the key part
@@ -185,7 +187,7 @@ def gather_paged_kv(
     # [1, Hkv, m * bs, D] -> [num_tokens, Hkv, D]
     keys = keys[0, :, :num_tokens].transpose(0, 1)
     values = values[0, :, :num_tokens].transpose(0, 1)
-    return keys[:num_tokens].contiguous(), values[:num_tokens].contiguous()
+    return keys.contiguous(), values.contiguous()
 
 
 def gather_paged_kv_heads(
