@@ -196,20 +196,11 @@ def marginal_values(path_log_probs: torch.Tensor,
     Raises:
         ValueError: not a 1-D float tensor with the root first.
     """
-    if (not isinstance(path_log_probs, torch.Tensor) or path_log_probs.dim() != 1
-            or not path_log_probs.is_floating_point() or path_log_probs.numel() == 0):
-        raise ValueError("path_log_probs must be a non-empty 1-D float tensor [n + 1] "
-                         "(DraftTree.path_log_probs, root first)")
-    q = path_log_probs[1:].detach().double().cpu().exp().clamp(0.0, 1.0)
-    v = q if calibrator is None else calibrator.calibrate(q)
-    # Pop order is non-increasing in q, but calibration ratios can jump up at a bucket edge
-    # (and sums round): a node is never worth more than one popped before it, which keeps the
-    # values sorted for the allocation without raising any estimate.
-    return torch.cummin(v, 0).values if v.numel() else v
+    return _batch_marginal_values([path_log_probs], calibrator)[0]
 
 
 def _batch_marginal_values(path_log_probs: Sequence[torch.Tensor],
-                           calibrator: AcceptanceCalibrator) -> list[torch.Tensor]:
+                           calibrator: AcceptanceCalibrator | None) -> list[torch.Tensor]:
     """:func:`marginal_values` of every request of a step, calibrated in one call."""
     for p in path_log_probs:
         if (not isinstance(p, torch.Tensor) or p.dim() != 1 or not p.is_floating_point()
@@ -220,7 +211,10 @@ def _batch_marginal_values(path_log_probs: Sequence[torch.Tensor],
     if not sizes:
         return []
     q = torch.cat([p[1:] for p in path_log_probs]).detach().double().cpu().exp().clamp(0.0, 1.0)
-    v = calibrator.calibrate(q)
+    v = q if calibrator is None else calibrator.calibrate(q)
+    # Pop order is non-increasing in q, but calibration ratios can jump up at a bucket edge
+    # (and sums round): a node is never worth more than one popped before it, which keeps the
+    # values sorted for the allocation without raising any estimate.
     return [torch.cummin(x, 0).values if x.numel() else x for x in torch.split(v, sizes)]
 
 
