@@ -1,0 +1,62 @@
+"""Lossless sampling with ``"ddtree_budget": "auto"``: the same two-sample chi-square test as
+``tests/test_sampling.py`` (its tiny 32-token pair, seeded requests), with tree sizes that change
+from step to step and across the requests of one batch.
+
+A module of its own because an in-process engine's shutdown tears down state that other engines
+still alive in the process need: here the target-only engine is shut down before the DDTree one
+is made.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from tests.support.models import make_llm, release_llm
+from tests.test_sampling import ALPHA, CONFIGS, ENGINE, _draw, _p_values, small_pair  # noqa: F401
+
+
+def _gentle_cost(worker):
+    """Run in the worker (``collective_rpc``): a fixed step-cost curve (10 ms + 5 µs per
+    verified row) under which some nodes pay and others do not, so ``auto`` sizes the trees of
+    one step differently instead of always choosing B_max on this tiny target."""
+    from vllm_ddtree.budget import StepCostModel
+
+    class Gentle(StepCostModel):
+        def coefficients(self):
+            return 0.01, 0.000005
+
+    worker.model_runner.drafter.controller.cost = Gentle()
+    return True
+
+
+def test_sampled_distribution_with_auto_budget_equals_target_only(small_pair):
+    """Tree sizes change from step to step and across the requests of one batch; the sampled
+    distribution must not (T = 1)."""
+    from tests.support.recorder import recorded_verification
+
+    target, drafter = small_pair
+    llm = make_llm(target, **ENGINE)
+    try:
+        reference = _draw(llm, **CONFIGS[1])
+    finally:
+        release_llm(llm)
+    del llm
+    llm = make_llm(target, speculative_config={
+        "method": "ddtree", "model": str(drafter), "ddtree_budget": "auto",
+        "ddtree_max_budget": 16, "num_speculative_tokens": 3}, **dict(ENGINE, max_num_seqs=16))
+    try:
+        assert llm.collective_rpc(_gentle_cost) == [True]
+        with recorded_verification() as rec:
+            ours = _draw(llm, **CONFIGS[1])
+    finally:
+        release_llm(llm)
+    sizes: dict[int, set[int]] = {}
+    for r in rec.records:
+        sizes.setdefault(r["step"], set()).add(r["tree"].num_nodes)
+    counts = Counter(r["tree"].num_nodes for r in rec.records)
+    assert len(counts) >= 3, f"tree sizes hardly changed: {counts}"
+    assert any(len(s) > 1 for s in sizes.values()), "one size for every request of every step"
+    # Measured: a quarter of the steps accept a draft (sizes 3 … 16, most 16).
+    assert sum(len(r["accepted"]) > 1 for r in rec.records) > 0.15 * len(rec.records), counts
+    p = _p_values(ours, reference)
+    assert min(p.values()) > ALPHA, p
