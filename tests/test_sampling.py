@@ -248,3 +248,54 @@ def test_mixed_batch_logprobs_and_seeds(qwen3_target, dflash_drafter):
     # the sampled request's logprobs are those of its own emitted tokens
     lp = a[1].outputs[0].logprobs
     assert all(t in step for t, step in zip(a[1].outputs[0].token_ids, lp))
+
+
+def _sampling_metadata(num_reqs: int, generators: dict, temperature: float = 1.0):
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    return SamplingMetadata(
+        temperature=torch.full((num_reqs,), temperature), all_greedy=False, all_random=True,
+        top_p=None, top_k=None, generators=generators, max_num_logprobs=None, no_penalties=True,
+        prompt_token_ids=None, frequency_penalties=torch.zeros(num_reqs),
+        presence_penalties=torch.zeros(num_reqs), repetition_penalties=torch.ones(num_reqs),
+        output_token_ids=[[] for _ in range(num_reqs)], allowed_token_ids_mask=None,
+        bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+
+
+def test_seeded_tree_noise_is_keyed_by_position():
+    """A seeded request's sample at a tree node depends on its seed and the node's token position
+    only: two trees of different size and shape, given the same logits per depth, draw the same
+    token at every depth; the request's own generator stream is not advanced; another seed or
+    another context length draws other tokens."""
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_ddtree.tree import build_draft_tree
+    from vllm_ddtree.verify import position_seeds, sample_nodes
+
+    g = torch.Generator().manual_seed(5)
+    drafter = torch.log_softmax(torch.randn(4, 64, generator=g), -1)
+    depth_logits = 0.3 * torch.randn(5, 64, generator=g)  # flat: every draw is a real draw
+    small, large = build_draft_tree(drafter, 3), build_draft_tree(drafter, 40)
+    assert small.max_depth < large.max_depth
+
+    def choices(tree, seed, context_len=20):
+        stream = torch.Generator().manual_seed(99)
+        before = stream.get_state()
+        seeds = position_seeds(seed, context_len + 1 + tree.depths.numpy())
+        out = sample_nodes(depth_logits[tree.depths], [tree.num_nodes + 1],
+                           _sampling_metadata(1, {0: stream}), Sampler(), None, {0: seeds})
+        assert torch.equal(stream.get_state(), before), "the request's stream was advanced"
+        by_depth = {}
+        for d, c in zip(tree.depths.tolist(), out.tolist()):
+            assert by_depth.setdefault(d, c) == c, "two nodes of one depth drew differently"
+        return by_depth
+
+    for seed in (0, 7, 2**40 + 3, -1):
+        a, b = choices(small, seed), choices(large, seed)
+        assert a == {d: b[d] for d in a}
+    draws = [tuple(choices(large, s).values()) for s in range(20)]
+    assert len(set(draws)) == 20
+    assert len({tuple(choices(large, 7, n).values()) for n in (20, 21, 22, 23)}) == 4
+    assert position_seeds(1, [5, 6]) != position_seeds(2, [5, 6])
+    assert position_seeds(1, [5, 6]) == position_seeds(1, [5, 6])

@@ -15,18 +15,24 @@ from tests.support.models import make_llm, release_llm
 from tests.test_sampling import ALPHA, CONFIGS, ENGINE, _draw, _p_values, small_pair  # noqa: F401
 
 
-def _gentle_cost(worker):
-    """Run in the worker (``collective_rpc``): a fixed step-cost curve (10 ms + 5 µs per
-    verified row) under which some nodes pay and others do not, so ``auto`` sizes the trees of
-    one step differently instead of always choosing B_max on this tiny target."""
+def _fixed_cost(worker, slope: float = 0.000005):
+    """Run in the worker (``collective_rpc``): a fixed step-cost curve, 10 ms + ``slope`` s per
+    verified row. The default (5 µs) is gentle: some nodes pay and others do not, so ``auto``
+    sizes the trees of one step differently instead of always choosing B_max on this tiny
+    target; 0 gives every request B_max, a steep slope one-node chains."""
     from vllm_ddtree.budget import StepCostModel
 
-    class Gentle(StepCostModel):
+    class Fixed(StepCostModel):
         def coefficients(self):
-            return 0.01, 0.000005
+            return 0.01, slope
 
-    worker.model_runner.drafter.controller.cost = Gentle()
+    worker.model_runner.drafter.controller.cost = Fixed()
+    worker.model_runner.drafter.controller.probe_every = 0  # no probe sizes either
     return True
+
+
+def _gentle_cost(worker):
+    return _fixed_cost(worker)
 
 
 def test_sampled_distribution_with_auto_budget_equals_target_only(small_pair):
@@ -60,3 +66,37 @@ def test_sampled_distribution_with_auto_budget_equals_target_only(small_pair):
     assert sum(len(r["accepted"]) > 1 for r in rec.records) > 0.15 * len(rec.records), counts
     p = _p_values(ours, reference)
     assert min(p.values()) > ALPHA, p
+
+
+def test_seeded_requests_reproduce_whatever_auto_chooses(small_pair):
+    """A seeded request's output must not depend on the tree sizes ``auto`` chooses (which follow
+    measured step times): the same seeded batch under a cost that makes every tree B_max and
+    under one that makes every tree a one-node chain gives the same tokens."""
+    from functools import partial
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tests.support.recorder import recorded_verification
+    from tests.test_sampling import PROMPT
+
+    target, drafter = small_pair
+    llm = make_llm(target, speculative_config={
+        "method": "ddtree", "model": str(drafter), "ddtree_budget": "auto",
+        "ddtree_max_budget": 16, "num_speculative_tokens": 3}, **dict(ENGINE, max_num_seqs=16))
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=s)
+              for s in range(8)]
+    prompts = [TokensPrompt(prompt_token_ids=PROMPT)] * len(params)
+    outs, sizes = [], []
+    try:
+        for slope in (0.0, 1.0):  # every tree B_max, then every tree one node
+            assert llm.collective_rpc(partial(_fixed_cost, slope=slope)) == [True]
+            with recorded_verification() as rec:
+                got = llm.generate(prompts, params, use_tqdm=False)
+            outs.append([list(o.outputs[0].token_ids) for o in got])
+            sizes.append({r["tree"].num_nodes for r in rec.records})
+    finally:
+        release_llm(llm)
+    assert sizes[0] == {16} and sizes[1] == {1}, sizes
+    assert outs[0] == outs[1]
+    assert len({tuple(o) for o in outs[0]}) > 1  # different seeds, different samples

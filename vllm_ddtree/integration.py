@@ -737,7 +737,8 @@ REGISTER: list[Change] = [
             "The host view of the runner's discard_request_mask (partial prefills this step).",
             _P, _CPU),
     *_attrs(f"{_BATCH}:CachedRequestState", "sampling_params output_token_ids",
-            "Per-request min-p and the tokens the shadow_linear measurement walks.", _PR),
+            "Per-request min-p and seed, and the tokens the shadow_linear measurement walks.",
+            _PR),
     *_attrs("vllm.v1.core.sched.output:SchedulerOutput",
             "scheduled_spec_decode_tokens num_scheduled_tokens",
             "Which requests carry draft trees this step, and how many rows each has.", _P),
@@ -768,6 +769,8 @@ REGISTER: list[Change] = [
             "Custom argmax-invariant processors are refused on tree rows.", _V),
     *_attrs("vllm.sampling_params:SamplingParams", "min_p",
             "Hidden from vLLM's speculative-decoding check, applied per node.", _P),
+    *_attrs("vllm.sampling_params:SamplingParams", "seed",
+            "A seeded request's tree-node noise is keyed by (seed, token position).", _P),
     *_attrs(f"{_CPU_ATTN}:CPUAttentionMetadata",
             "query_start_loc seq_lens block_table slot_mapping num_actual_tokens causal "
             "dynamic_causal",

@@ -634,14 +634,14 @@ def _sample(original: Callable) -> Callable:
         # Steps without any draft (e.g. all requests prefilling) also sample here, so every
         # token of a DDTree engine goes through the same processing (min-p included).
         num_reqs = self.input_batch.num_reqs
-        min_p = [
-            getattr(self.requests[r].sampling_params, "min_p", 0.0) or 0.0
-            for r in self.input_batch.req_ids[:num_reqs]
-        ]
+        params = [self.requests[r].sampling_params for r in self.input_batch.req_ids[:num_reqs]]
+        min_p = [getattr(p, "min_p", 0.0) or 0.0 for p in params]
+        seeds = [p.seed for p in params]  # seeded tree rows: noise keyed by token position
         by_batch = {r.batch_index: r for r in step.requests} if step is not None else {}
         sampled, logprobs = verify_tree_step(
             logits, spec_decode_metadata.num_draft_tokens, by_batch,
             self.input_batch.sampling_metadata, self.sampler, min_p if any(min_p) else None,
+            seeds if any(s is not None for s in seeds) else None,
         )
         if step is None:
             return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)

@@ -16,8 +16,9 @@ per request, accepted draft tokens + 1 = emitted tokens, and accepted token ``j`
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from vllm_ddtree.step import StepRequest
@@ -54,12 +55,46 @@ def _node_min_p(min_p: Sequence[float], reps: torch.Tensor) -> Any:
     return proc
 
 
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    # SplitMix64's finaliser (Steele, Lea & Flood 2014): a bijection of uint64 whose outputs for
+    # consecutive inputs are statistically independent; numpy's SeedSequence does the same job
+    # but costs ~40 µs per seed, too slow for one seed per tree node and step.
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def position_seeds(seed: int, positions: Sequence[int] | np.ndarray) -> list[int]:
+    """Generator seeds for a seeded request's draws, one per token position.
+
+    A seeded request's noise for the token at position ``p`` is keyed by ``(seed, p)`` alone
+    (Model Runner V2 keys its Gumbel noise the same way, ``vllm/v1/worker/gpu/sample/gumbel.py``):
+    then the token sampled for ``p`` does not depend on the draft tree's size or layout, nor on
+    how many rows earlier steps drew, so a seeded request reproduces run to run even when
+    ``"ddtree_budget": "auto"`` sizes its trees from measured step times. Nodes at the same
+    depth share the key; the walk visits one node per depth, so each committed token still gets
+    noise of its own.
+
+    Args:
+        seed: ``SamplingParams.seed`` (any Python int; taken modulo 2**64).
+        positions: ``[m]`` token positions (>= 0) of the tokens being sampled.
+
+    Returns:
+        ``m`` seeds in ``[0, 2**64)`` for ``torch.Generator.manual_seed``.
+    """
+    key = _splitmix64(np.array([seed & 0xFFFF_FFFF_FFFF_FFFF], dtype=np.uint64))
+    return _splitmix64(key ^ np.asarray(positions, dtype=np.uint64)).tolist()
+
+
 def sample_nodes(
     logits: torch.Tensor,
     counts: Sequence[int],
     sampling_metadata: Any,
     sampler: Any,
     min_p: Sequence[float] | None = None,
+    row_seeds: Mapping[int, Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """The target's own choice at every tree node: its argmax, or a sample at T > 0.
 
@@ -78,6 +113,10 @@ def sample_nodes(
         sampling_metadata: the batch's ``vllm.v1.sample.metadata.SamplingMetadata``.
         sampler: the runner's ``vllm.v1.sample.sampler.Sampler``.
         min_p: per request, ``SamplingParams.min_p`` (``None``: no request uses it).
+        row_seeds: ``batch index -> [counts[b]]`` generator seeds (:func:`position_seeds`):
+            those requests' rows draw from one fresh generator per row instead of the request's
+            generator stream (which then is not advanced); other seeded requests use their
+            stream as vLLM does.
 
     Returns:
         ``[sum(counts)]`` int64 token choices.
@@ -101,8 +140,13 @@ def sample_nodes(
 
     generators, row = {}, 0
     for b, c in enumerate(counts):
-        g = sampling_metadata.generators.get(b)
-        if g is not None:
+        keyed = None if row_seeds is None else row_seeds.get(b)
+        if keyed is not None:
+            if len(keyed) != c:
+                raise ValueError(f"request row {b}: {len(keyed)} seeds for {c} rows")
+            for r, s in zip(range(row, row + c), keyed):
+                generators[r] = torch.Generator(device=logits.device).manual_seed(s)
+        elif (g := sampling_metadata.generators.get(b)) is not None:
             for r in range(row, row + c):  # one stream per request, drawn in node order
                 generators[r] = g
         row += c
@@ -131,6 +175,7 @@ def verify_tree_step(
     sampling_metadata: Any,
     sampler: Any,
     min_p: Sequence[float] | None = None,
+    seeds: Sequence[int | None] | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """Tree verification for one step: node choices, the walk, the emitted tokens, logprobs.
 
@@ -143,6 +188,10 @@ def verify_tree_step(
         sampling_metadata: the batch's ``SamplingMetadata``.
         sampler: the runner's vLLM ``Sampler``.
         min_p: per request ``SamplingParams.min_p``, or ``None``.
+        seeds: per request ``SamplingParams.seed`` (``None`` for unseeded), or ``None``: a
+            seeded request that verifies a tree draws the noise of each node from the node's
+            token position (:func:`position_seeds`), so its output does not depend on tree
+            sizes; a seeded request without drafts draws from its generator as in vLLM.
 
     Returns:
         ``(sampled, logprobs)``: ``sampled`` is ``[num_reqs, max(n_r) + 1]`` int32 on
@@ -158,7 +207,12 @@ def verify_tree_step(
     counts = [int(n) + 1 for n in num_draft_tokens]
     if logits.shape[0] != sum(counts):
         raise ValueError(f"logits has {logits.shape[0]} rows, expected {sum(counts)}")
-    choices = sample_nodes(logits, counts, sampling_metadata, sampler, min_p).tolist()
+    row_seeds = None
+    if seeds is not None and not sampling_metadata.all_greedy:
+        row_seeds = {b: position_seeds(seeds[b], req.context_len + 1 + req.tree.depths.numpy())
+                     for b, req in step_requests.items() if seeds[b] is not None}
+    choices = sample_nodes(logits, counts, sampling_metadata, sampler, min_p,
+                           row_seeds).tolist()
     width = max(counts)
     out = torch.full((len(counts), width), PLACEHOLDER_TOKEN_ID, dtype=torch.int32)
     rows = torch.zeros((len(counts), width), dtype=torch.long)  # logits row of each output
