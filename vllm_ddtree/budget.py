@@ -1,5 +1,8 @@
 """``"ddtree_budget": "auto"``: each step's per-request tree size from the drafter's confidence
-and the measured cost of verification (pure Python / torch; no vLLM import, runner-independent).
+and the measured cost of verification (pure Python / numpy, torch at the interface; no vLLM
+import, runner-independent). It runs every engine step on vectors of tens to hundreds of
+entries, where one numpy operation costs about a microsecond and one torch operation several, so
+the arithmetic is numpy.
 
 Why this works (paper §4, Ringel & Romano 2026, arXiv 2604.12989): for a prefix-closed draft
 tree, the expected number of accepted drafts is the sum, over its nodes, of the probability that
@@ -38,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -109,9 +113,10 @@ class AcceptanceCalibrator:
         self.decay = _check_pos_float("decay", decay)
         if self.decay > 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay!r}")
-        self.n = torch.zeros(num_buckets, dtype=torch.float64)
-        self.hits = torch.zeros(num_buckets, dtype=torch.float64)
-        self.q_sum = torch.zeros(num_buckets, dtype=torch.float64)
+        #: ``[num_buckets]`` float64 decayed sums: verified nodes, hits, expected hits.
+        self.n = np.zeros(num_buckets)
+        self.hits = np.zeros(num_buckets)
+        self.q_sum = np.zeros(num_buckets)
 
     def bucket_of(self, q: torch.Tensor) -> torch.Tensor:
         """Bucket index per probability.
@@ -122,9 +127,11 @@ class AcceptanceCalibrator:
         Returns:
             int64 tensor of the same shape, values ``0 .. num_buckets - 1``.
         """
-        with torch.no_grad():
-            lg = -torch.log2(q.double().clamp(min=1e-300, max=1.0))
-            return lg.floor().clamp(0, self.num_buckets - 1).long()
+        return torch.from_numpy(self._buckets(q.detach().double().cpu().numpy()))
+
+    def _buckets(self, q: np.ndarray) -> np.ndarray:
+        lg = -np.log2(np.clip(q, 1e-300, 1.0))
+        return np.clip(np.floor(lg), 0, self.num_buckets - 1).astype(np.int64)
 
     def observe(self, path_probs: torch.Tensor, accepted: torch.Tensor) -> None:
         """Fold one verified tree (or several, concatenated) into the estimates.
@@ -139,17 +146,23 @@ class AcceptanceCalibrator:
                 is NaN or outside ``[0, 1]``.
         """
         q, a = _check_observation(path_probs, accepted)
-        self.n.mul_(self.decay)
-        self.hits.mul_(self.decay)
-        self.q_sum.mul_(self.decay)
-        if q.numel():
-            b = self.bucket_of(q)
-            self.n.index_add_(0, b, torch.ones_like(q))
-            self.hits.index_add_(0, b, a.double())
-            self.q_sum.index_add_(0, b, q)
+        self._observe(q.numpy(), a.numpy())
+
+    def _observe(self, q: np.ndarray, accepted: np.ndarray) -> None:
+        # :meth:`observe` on checked float64 / bool arrays.
+        for sums in (self.n, self.hits, self.q_sum):
+            sums *= self.decay
+        if q.size:
+            b, k = self._buckets(q), self.num_buckets
+            self.n += np.bincount(b, minlength=k)
+            self.hits += np.bincount(b, weights=accepted, minlength=k)
+            self.q_sum += np.bincount(b, weights=q, minlength=k)
 
     def ratios(self) -> torch.Tensor:
         """``[num_buckets]`` float64 observed-over-expected hit ratio per bucket (1 before data)."""
+        return torch.from_numpy(self._ratios())
+
+    def _ratios(self) -> np.ndarray:
         w = self.prior_weight
         return (self.hits + w) / (self.q_sum + w)
 
@@ -162,8 +175,10 @@ class AcceptanceCalibrator:
         Returns:
             float64 tensor of the same shape, values in ``[0, 1]``.
         """
-        q = path_probs.double()
-        return (q * self.ratios()[self.bucket_of(q)]).clamp(0.0, 1.0)
+        return torch.from_numpy(self._calibrate(path_probs.detach().double().cpu().numpy()))
+
+    def _calibrate(self, q: np.ndarray) -> np.ndarray:
+        return np.clip(q * self._ratios()[self._buckets(q)], 0.0, 1.0)
 
 
 def _check_observation(path_probs: object, accepted: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,12 +211,13 @@ def marginal_values(path_log_probs: torch.Tensor,
     Raises:
         ValueError: not a 1-D float tensor with the root first.
     """
-    return _batch_marginal_values([path_log_probs], calibrator)[0]
+    return torch.from_numpy(_batch_marginal_values([path_log_probs], calibrator)[0])
 
 
 def _batch_marginal_values(path_log_probs: Sequence[torch.Tensor],
-                           calibrator: AcceptanceCalibrator | None) -> list[torch.Tensor]:
-    """:func:`marginal_values` of every request of a step, calibrated in one call."""
+                           calibrator: AcceptanceCalibrator | None) -> list[np.ndarray]:
+    """:func:`marginal_values` of every request of a step, calibrated in one call (float64
+    arrays)."""
     for p in path_log_probs:
         if (not isinstance(p, torch.Tensor) or p.dim() != 1 or not p.is_floating_point()
                 or p.numel() == 0):
@@ -210,12 +226,13 @@ def _batch_marginal_values(path_log_probs: Sequence[torch.Tensor],
     sizes = [p.numel() - 1 for p in path_log_probs]
     if not sizes:
         return []
-    q = torch.cat([p[1:] for p in path_log_probs]).detach().double().cpu().exp().clamp(0.0, 1.0)
-    v = q if calibrator is None else calibrator.calibrate(q)
+    lp = torch.cat([p[1:] for p in path_log_probs]).detach().cpu().numpy().astype(np.float64)
+    q = np.clip(np.exp(lp), 0.0, 1.0)
+    v = q if calibrator is None else calibrator._calibrate(q)
     # Pop order is non-increasing in q, but calibration ratios can jump up at a bucket edge
     # (and sums round): a node is never worth more than one popped before it, which keeps the
     # values sorted for the allocation without raising any estimate.
-    return [torch.cummin(x, 0).values if x.numel() else x for x in torch.split(v, sizes)]
+    return [np.minimum.accumulate(x) for x in np.split(v, np.cumsum(sizes)[:-1])]
 
 
 # --------------------------------------------------------------------------- step cost
@@ -360,7 +377,7 @@ class Allocation:
         return self.expected_tokens / self.seconds
 
 
-def _check_values(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _check_values(values: Sequence[torch.Tensor]) -> list[np.ndarray]:
     out = []
     for i, v in enumerate(values):
         if not isinstance(v, torch.Tensor) or v.dim() != 1 or not v.is_floating_point():
@@ -369,23 +386,12 @@ def _check_values(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
                              f"{tuple(v.shape) if isinstance(v, torch.Tensor) else ''}")
         if v.numel() == 0:
             raise ValueError(f"values[{i}] is empty: every request needs at least one node")
-        out.append(v.detach().double().cpu())
-    if not out:
-        return out
-    # One pass over all requests (this runs every engine step): range, then order within each
-    # request (a rise across two requests' boundary is allowed).
-    d = torch.cat(out)
-    bad = torch.isnan(d) | (d < 0) | (d > 1)
-    rise = torch.zeros_like(bad)
-    rise[1:] = d[1:] > d[:-1] + 1e-12
-    starts = torch.tensor([0] + [v.numel() for v in out[:-1]]).cumsum(0)
-    rise[starts] = False
-    for flags, what in ((bad, "must be probabilities in [0, 1]"),
-                        (rise, "must be non-increasing (best-first pop order)")):
-        if bool(flags.any()):
-            first = int(torch.nonzero(flags)[0])
-            i = int((starts <= first).sum()) - 1
-            raise ValueError(f"values[{i}] {what}")
+        out.append(v.detach().double().cpu().numpy())
+    for i, v in enumerate(out):
+        if np.isnan(v).any() or (v < 0).any() or (v > 1).any():
+            raise ValueError(f"values[{i}] must be probabilities in [0, 1]")
+        if (v[1:] > v[:-1] + 1e-12).any():
+            raise ValueError(f"values[{i}] must be non-increasing (best-first pop order)")
     return out
 
 
@@ -438,57 +444,60 @@ def allocate_budgets(
         raise ValueError("values is empty: no request to allocate")
     _check_int("max_budget", max_budget, 1)
     _check_int("extra_tokens", extra_tokens, 0)
-    num = len(vals)
-    base_rows = extra_tokens + 2 * num  # root + one node per request
     if token_budget is not None:
         _check_int("token_budget", token_budget, 1)
-        if token_budget < base_rows:
-            raise ValueError(f"token_budget={token_budget} is too small for {num} requests with "
-                             f"one node each and {extra_tokens} other rows ({base_rows} rows)")
 
-    def cost(rows: torch.Tensor) -> torch.Tensor:
-        s = torch.as_tensor(step_seconds(rows), dtype=torch.float64).expand(rows.shape)
-        if not bool(torch.isfinite(s).all()) or bool((s <= 0).any()):
+    def cost(rows: np.ndarray) -> np.ndarray:
+        s = np.broadcast_to(np.asarray(
+            torch.as_tensor(step_seconds(torch.from_numpy(rows)), dtype=torch.float64)),
+            rows.shape)
+        if not np.isfinite(s).all() or (s <= 0).any():
             raise ValueError("step_seconds must give positive finite seconds for every row "
-                             f"count, got {s.min().item()} .. {s.max().item()}")
+                             f"count, got {s.min()} .. {s.max()}")
         return s
 
+    return _allocate(vals, cost, max_budget, token_budget, extra_tokens, drafter_seconds)
+
+
+def _allocate(vals: list[np.ndarray], cost, max_budget: int, token_budget: int | None,
+              extra_tokens: int, drafter_seconds: float) -> Allocation:
+    # allocate_budgets on checked inputs: float64 arrays, ``cost`` from a float64 array of row
+    # counts to positive seconds.
+    num = len(vals)
+    base_rows = extra_tokens + 2 * num  # root + one node per request
+    if token_budget is not None and token_budget < base_rows:
+        raise ValueError(f"token_budget={token_budget} is too small for {num} requests with "
+                         f"one node each and {extra_tokens} other rows ({base_rows} rows)")
     # Candidates beyond the mandatory first node, in one global descending order.
-    cand_v, cand_r = [], []
-    for r, v in enumerate(vals):
-        extra = v[1:max_budget]
-        cand_v.append(extra)
-        cand_r.append(torch.full((extra.numel(),), r, dtype=torch.long))
+    cand = [v[1:max_budget] for v in vals]
+    cv = np.concatenate(cand)
+    cr = np.repeat(np.arange(num), [c.size for c in cand])
     base = sum(float(v[0]) for v in vals)
-    cv = torch.cat(cand_v) if cand_v else torch.zeros(0, dtype=torch.float64)
-    cr = torch.cat(cand_r) if cand_r else torch.zeros(0, dtype=torch.long)
     # Stable sort: ties keep request order, and within a request pop order.
-    order = torch.sort(cv, descending=True, stable=True).indices
+    order = np.argsort(-cv, kind="stable")
     cv, cr = cv[order], cr[order]
-    max_extra = cv.numel()
+    max_extra = cv.size
     if token_budget is not None:
         max_extra = min(max_extra, token_budget - base_rows)
-    gains = torch.cat((torch.zeros(1, dtype=torch.float64), torch.cumsum(cv[:max_extra], 0)))
-    rows_k = torch.arange(base_rows, base_rows + max_extra + 1, dtype=torch.float64)
-    rates = (num + base + gains) / cost(rows_k)
+    gains = np.concatenate(([0.0], np.cumsum(cv[:max_extra])))
+    rows_k = np.arange(base_rows, base_rows + max_extra + 1, dtype=np.float64)
+    seconds_k = cost(rows_k)
+    rates = (num + base + gains) / seconds_k
     # The first maximum: among (near-)equal rates the smaller tree, which costs less if the
     # cost model is off.
-    best_k = int(torch.nonzero(rates >= rates.max() * (1 - 1e-12))[0])
-    budgets = [1] * num
-    for r in cr[:best_k].tolist():
-        budgets[r] += 1
+    best_k = int(np.argmax(rates >= rates.max() * (1 - 1e-12)))
+    budgets = (1 + np.bincount(cr[:best_k], minlength=num)).tolist()
     expected = [float(v[:b].sum()) for v, b in zip(vals, budgets)]
-    rows = base_rows + best_k
-    seconds = float(cost(rows_k[best_k : best_k + 1])[0])
     expected_tokens = num + sum(expected)
-    plain = float(cost(torch.tensor([float(extra_tokens + num)]))[0])
+    seconds = float(seconds_k[best_k])
+    plain = float(cost(np.array([float(extra_tokens + num)]))[0])
     target_only_rate = num / max(plain - drafter_seconds, 0.1 * plain)
     return Allocation(
         budgets=budgets,
         expected_accepted=expected,
         expected_tokens=expected_tokens,
         seconds=seconds,
-        tokens=rows,
+        tokens=base_rows + best_k,
         chain_fallback=all(b == 1 for b in budgets),
         speculation_pays=expected_tokens / seconds > target_only_rate,
         target_only_rate=target_only_rate,
@@ -583,14 +592,17 @@ class BudgetController:
         if len(req_ids) != len(path_log_probs):
             raise ValueError(f"{len(req_ids)} req_ids but {len(path_log_probs)} trees")
         values = _batch_marginal_values(path_log_probs, self.calibrator)
-        alloc = allocate_budgets(values, self.cost.seconds, self.max_budget, token_budget,
-                                 extra_tokens, drafter_seconds=self.drafter_seconds)
+        if token_budget is not None:
+            _check_int("token_budget", token_budget, 1)
+        # The cost model's predictions are positive by construction (intercept floored > 0).
+        alloc = _allocate(values, self.cost.seconds, self.max_budget, token_budget,
+                          _check_int("extra_tokens", extra_tokens, 0), self.drafter_seconds)
         budgets = alloc.budgets
         self.stats.steps += 1
         if (self.probe_every and self.stats.steps % self.probe_every == 0
                 and self.cost.spread() < self.min_spread):
             up = (self.stats.steps // self.probe_every) % 2 == 1
-            probe = [max(1, min(b * 2 if up else b // 2, v.numel(), self.max_budget))
+            probe = [max(1, min(b * 2 if up else b // 2, v.size, self.max_budget))
                      for b, v in zip(budgets, values)]
             rows = extra_tokens + sum(1 + b for b in probe)
             if token_budget is None or rows <= token_budget:
@@ -648,13 +660,13 @@ class BudgetController:
         qs, accs = [], []
         for req_id, path_log_probs, accepted_nodes in trees:
             n = path_log_probs.numel() - 1
-            acc = torch.zeros(n, dtype=torch.bool)
+            acc = np.zeros(n, dtype=bool)
             idx = [i - 1 for i in accepted_nodes if i > 0]
             if any(not 0 <= i < n for i in idx):
                 raise ValueError(f"accepted node indices {list(accepted_nodes)} outside a tree "
                                  f"of {n} nodes")
             acc[idx] = True
-            qs.append(path_log_probs[1:].detach().double().cpu())
+            qs.append(path_log_probs[1:])
             accs.append(acc)
             pred = self._pending.pop(req_id, None)
             if pred is not None:
@@ -664,7 +676,10 @@ class BudgetController:
                     self.figures.add(auto_predicted_accepted=pred,
                                      auto_observed_accepted=len(idx))
         if qs:
-            self.calibrator.observe(torch.cat(qs).exp().clamp(0.0, 1.0), torch.cat(accs))
+            q = np.exp(torch.cat(qs).detach().cpu().numpy().astype(np.float64))
+            if np.isnan(q).any():
+                raise ValueError("path_log_probs hold NaN")
+            self.calibrator._observe(np.clip(q, 0.0, 1.0), np.concatenate(accs))
 
     def build_cap(self) -> int:
         """How many nodes to build per tree before :meth:`allocate` cuts them: twice the largest
