@@ -29,6 +29,9 @@ class _CpuLikeCost(StepCostModel):
     def coefficients(self):
         return 0.01, 0.002
 
+    def per_request(self):
+        return 0.0
+
 
 def _use_cpu_like_cost(worker):
     """Run in the worker (``collective_rpc``)."""
@@ -95,7 +98,8 @@ def _bare_proposer(max_budget: int, max_tokens: int = 512):
     p.trees = {}
     p._max_tokens = max_tokens
     p._last_propose = None
-    p._ddtree_runner = SimpleNamespace(_ddtree=SimpleNamespace(step_index=0, step_rows=0))
+    p._ddtree_runner = SimpleNamespace(_ddtree=SimpleNamespace(step_index=0, step_rows=0,
+                                                               step_requests=2))
     return p
 
 
@@ -106,8 +110,7 @@ def test_proposer_auto_path_cuts_trees_to_prefixes_and_learns():
     from vllm_ddtree.tree import build_draft_trees, chain_tree, validate_draft_tree
 
     p = _bare_proposer(max_budget=24)
-    p.controller.cost = type("Steep", (StepCostModel,), {
-        "coefficients": lambda self: (0.01, 0.002)})()
+    p.controller.cost = _CpuLikeCost()
     g = torch.Generator().manual_seed(0)
     confident = torch.full((6, 12), -9.0)
     confident[:, 0] = 0.0

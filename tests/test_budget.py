@@ -382,3 +382,31 @@ def test_build_cap_follows_the_last_allocation():
     assert ctl.build_cap() == 40
     ctl.stats.last_budgets = [50]
     assert ctl.build_cap() == 64
+
+
+def test_cost_model_separates_per_request_from_per_token_cost():
+    """Steps of batch 1 and batch 8 with trees of several sizes: the fit finds the cost of a
+    request apart from the cost of a token, so a batch of 8 does not read as steep tokens (the
+    controller then shrank every tree at batch 8)."""
+    m = StepCostModel()
+    g = torch.Generator().manual_seed(1)
+    truth = lambda t, r: 0.005 + 0.0001 * t + 0.004 * r  # noqa: E731
+    for i in range(64):
+        r = 1 if i < 40 else 8
+        t = r * (1 + (4, 8, 16, 32)[i % 4])
+        m.observe(t, truth(t, r) + float(torch.randn(1, generator=g)) * 1e-5, requests=r)
+    a, b = m.coefficients()
+    assert a == pytest.approx(0.005, rel=0.05) and b == pytest.approx(0.0001, rel=0.05)
+    assert m.per_request() == pytest.approx(0.004, rel=0.02)
+    assert m.seconds(72, 8) == pytest.approx(truth(72, 8), rel=0.01)
+    # The allocation at batch 8 then sees cheap tokens: every tree B_max under these values.
+    ctl = BudgetController(32, cost=m, probe_every=0)
+    plp = torch.log(torch.linspace(0.9, 0.3, 33)).float()
+    plp[0] = 0.0
+    assert ctl.allocate([str(i) for i in range(8)], [plp] * 8) == [32] * 8
+    # With one batch size only, the per-request term is not identified and stays 0.
+    m1 = StepCostModel()
+    for t in (5, 9, 17, 33) * 4:
+        m1.observe(t, 0.01 + 0.001 * t, requests=1)
+    assert m1.per_request() == pytest.approx(0.0, abs=1e-6)
+    assert m1.coefficients() == pytest.approx((0.01, 0.001), rel=0.01)

@@ -26,6 +26,9 @@ def _fixed_cost(worker, slope: float = 0.000005):
         def coefficients(self):
             return 0.01, slope
 
+        def per_request(self):
+            return 0.0
+
     worker.model_runner.drafter.controller.cost = Fixed()
     worker.model_runner.drafter.controller.probe_every = 0  # no probe sizes either
     return True

@@ -239,15 +239,19 @@ def _batch_marginal_values(path_log_probs: Sequence[torch.Tensor],
 
 
 class StepCostModel:
-    """Online model of one engine step's wall time: ``seconds = intercept + slope * tokens``.
+    """Online model of one engine step's wall time:
+    ``seconds = intercept + slope * tokens + per_request * requests``.
 
-    ``tokens`` is what the step verified (every scheduled row: roots, tree nodes, prefill
-    chunks). Fitted by least squares on the last ``window`` observations; the slope is pulled
-    toward ``prior_slope`` with the weight of ``prior_weight`` pseudo-steps, so the model is
-    defined before any data (``(prior_intercept, prior_slope)``) and with data at one size only
-    (the slope then stays at the prior; :meth:`spread` says whether sizes have varied). The fit
-    is clamped to ``slope >= 0`` and ``intercept >= min_intercept`` (a step always costs
-    something).
+    ``tokens`` is what the step verified (every scheduled row: roots and tree nodes), ``requests``
+    how many requests it served. The per-request term is what a request costs whatever its tree
+    (the drafter's L rows, its context's attention, bookkeeping); without it, a batch of 8 after
+    a batch of 1 reads as a steep cost per token (both more rows and more requests) and the
+    trees shrink. Fitted by least squares on the last ``window`` observations; the two slopes
+    are pulled toward ``prior_slope`` and 0 with the weight of ``prior_weight`` pseudo-steps, so
+    the model is defined before any data (``(prior_intercept, prior_slope, 0)``), and with data
+    at one batch size the per-request term stays 0 (the intercept holds it); a slope is only
+    identified from the spread of tokens per request (:meth:`spread`). The fit is clamped to
+    slopes >= 0 and ``intercept >= min_intercept`` (a step always costs something).
 
     On a GPU the slope is close to 0 up to hundreds of tokens; on a CPU it dominates. The
     default prior slope is 0 (GPU-like): the controller starts with large trees and learns the
@@ -272,22 +276,24 @@ class StepCostModel:
         self.prior_slope = _check_pos_float("prior_slope", prior_slope, allow_zero=True)
         self.prior_weight = _check_pos_float("prior_weight", prior_weight)
         self.min_intercept = _check_pos_float("min_intercept", min_intercept)
-        self._obs: deque[tuple[float, float]] = deque(maxlen=window)
-        self._fit: tuple[float, float] | None = None
+        self._obs: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._fit: tuple[float, float, float] | None = None
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, requests: int = 1) -> None:
         """Record one step.
 
         Args:
             tokens: rows the step verified (int >= 1).
             seconds: its wall time (finite, > 0).
+            requests: requests it served (int >= 1).
 
         Raises:
             ValueError: a bad value.
         """
         _check_int("tokens", tokens, 1)
+        _check_int("requests", requests, 1)
         s = _check_pos_float("seconds", seconds)
-        self._obs.append((float(tokens), s))
+        self._obs.append((float(tokens), float(requests), s))
         self._fit = None
 
     @property
@@ -296,50 +302,74 @@ class StepCostModel:
         return len(self._obs)
 
     def spread(self) -> float:
-        """Largest over smallest token count in the window (1.0 with fewer than 2 steps): the
-        slope is only identified when steps of different sizes were seen."""
+        """Largest over smallest tokens per request in the window (1.0 with fewer than 2
+        steps): the per-token slope is only identified when trees of different sizes were seen."""
         if len(self._obs) < 2:
             return 1.0
-        xs = [x for x, _ in self._obs]
+        xs = [x / r for x, r, _ in self._obs]
         return max(xs) / min(xs)
 
     def coefficients(self) -> tuple[float, float]:
         """``(intercept seconds, slope seconds per token)`` of the current fit."""
+        return self._coefficients()[:2]
+
+    def per_request(self) -> float:
+        """Seconds per request served, beyond the tokens it verified."""
+        return self._coefficients()[2]
+
+    def _coefficients(self) -> tuple[float, float, float]:
         if self._fit is None:
             self._fit = self._solve()
         return self._fit
 
-    def _solve(self) -> tuple[float, float]:
-        # Centred least squares: the mean step is always identified; the slope only from the
-        # spread of sizes, so it is pulled toward the prior with weight lam (prior_weight
-        # pseudo-steps at a distance of the mean size from the mean). With one size only the
-        # slope stays at the prior and the intercept takes the mean.
+    def _solve(self) -> tuple[float, float, float]:
+        # Ridge least squares on (tokens, requests): centred first (the mean step is always
+        # identified); each slope is pulled toward its prior with weight lam (prior_weight
+        # pseudo-steps at a distance of the feature's mean), so a feature that never varied
+        # keeps its prior. Negative slopes are dropped and the other refitted; a floored
+        # intercept refits the slopes through it.
         a0, b0, w = self.prior_intercept, self.prior_slope, self.prior_weight
-        n = len(self._obs)
-        if n == 0:
-            return max(a0, self.min_intercept), b0
-        xm = sum(x for x, _ in self._obs) / n
-        ym = sum(y for _, y in self._obs) / n
-        sxx = sum((x - xm) ** 2 for x, _ in self._obs)
-        sxy = sum((x - xm) * (y - ym) for x, y in self._obs)
-        lam = w * xm * xm
-        b = max(0.0, (sxy + lam * b0) / (sxx + lam))  # cost never falls with more tokens
-        a = ym - b * xm
+        if not self._obs:
+            return max(a0, self.min_intercept), b0, 0.0
+        obs = np.array(self._obs)
+        X, y = obs[:, :2], obs[:, 2]
+        mean = X.mean(0)
+        prior = np.array([b0, 0.0])
+        lam = w * mean * mean
+        coef = _clamped_ridge(X - mean, y - y.mean(), lam, prior)
+        a = float(y.mean() - coef @ mean)
         if a < self.min_intercept:
-            # Floor the intercept, then the slope that fits best through it (same prior pull).
             a = self.min_intercept
-            sx2 = sum(x * x for x, _ in self._obs)
-            sxr = sum(x * (y - a) for x, y in self._obs)
-            b = max(0.0, (sxr + lam * b0) / (sx2 + lam))
-        return a, b
+            coef = _clamped_ridge(X, y - a, lam, prior)
+        return a, float(coef[0]), float(coef[1])
 
-    def seconds(self, tokens):
-        """Predicted wall time of a step verifying ``tokens`` rows (a number, or a float tensor
-        of row counts giving a tensor of seconds)."""
+    def seconds(self, tokens, requests: int = 1):
+        """Predicted wall time of a step verifying ``tokens`` rows for ``requests`` requests
+        (``tokens`` a number, or a float tensor / array of row counts giving seconds of the same
+        type)."""
         a, b = self.coefficients()
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.double()
-        return a + b * tokens
+        return a + self.per_request() * requests + b * tokens
+
+
+def _clamped_ridge(X: np.ndarray, y: np.ndarray, lam: np.ndarray, prior: np.ndarray
+                   ) -> np.ndarray:
+    """``argmin |X c - y|^2 + sum lam_j (c_j - prior_j)^2`` subject to ``c >= 0`` for two
+    features (``X`` ``[n, 2]``): the unconstrained solution, else the best with a feature at 0."""
+    A = X.T @ X + np.diag(lam)
+    rhs = X.T @ y + lam * prior
+    coef = np.linalg.solve(A, rhs)
+    if (coef >= 0).all():
+        return coef
+    best, best_loss = np.zeros(2), np.inf
+    for j in (0, 1):  # keep feature j alone, the other at 0
+        c = np.zeros(2)
+        c[j] = max(0.0, rhs[j] / A[j, j])
+        loss = float(((X @ c - y) ** 2).sum() + (lam * (c - prior) ** 2).sum())
+        if loss < best_loss:
+            best, best_loss = c, loss
+    return best
 
 
 # --------------------------------------------------------------------------- allocation
@@ -595,7 +625,9 @@ class BudgetController:
         if token_budget is not None:
             _check_int("token_budget", token_budget, 1)
         # The cost model's predictions are positive by construction (intercept floored > 0).
-        alloc = _allocate(values, self.cost.seconds, self.max_budget, token_budget,
+        num = len(req_ids)
+        alloc = _allocate(values, lambda rows: self.cost.seconds(rows, num), self.max_budget,
+                          token_budget,
                           _check_int("extra_tokens", extra_tokens, 0), self.drafter_seconds)
         budgets = alloc.budgets
         self.stats.steps += 1
@@ -697,9 +729,10 @@ class BudgetController:
         self.drafter_seconds = s if self.drafter_seconds == 0.0 else (
             0.9 * self.drafter_seconds + 0.1 * s)
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """Record one step's verified rows and wall time (see :meth:`StepCostModel.observe`)."""
-        self.cost.observe(tokens, seconds)
+    def observe_step(self, tokens: int, seconds: float, requests: int = 1) -> None:
+        """Record one step's verified rows, wall time and requests served (see
+        :meth:`StepCostModel.observe`)."""
+        self.cost.observe(tokens, seconds, requests)
 
     def forget(self, live_req_ids: set[str]) -> None:
         """Drop predictions of requests that are gone."""

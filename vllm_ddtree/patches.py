@@ -521,6 +521,7 @@ def _prepare_inputs(original: Callable) -> Callable:
         decode_only = all(n == 1 + len(spec.get(r, ()))
                           for r, n in scheduler_output.num_scheduled_tokens.items())
         state.step_rows = int(scheduler_output.total_num_scheduled_tokens) if decode_only else 0
+        state.step_requests = len(scheduler_output.num_scheduled_tokens)
         num_reqs = self.input_batch.num_reqs
         req_ids = self.input_batch.req_ids[:num_reqs]
         trees = self.drafter.trees

@@ -200,7 +200,7 @@ class DDTreeProposer(DFlashProposer):
         rows = getattr(state, "step_rows", 0)
         last, self._last_propose = self._last_propose, (index, now)
         if index is not None and last is not None and last[0] == index - 1 and rows > 0:
-            self.controller.observe_step(rows, now - last[1])
+            self.controller.observe_step(rows, now - last[1], state.step_requests)
 
     def observe_verified(self, step: TreeStep) -> None:
         """``ddtree_budget="auto"``: calibrate the controller with what this step accepted.

@@ -38,6 +38,7 @@ class V1EngineState:
             steps only).
         step_rows: rows (tokens) scheduled in the current step, for auto's cost model; 0 when
             the step holds a prefill (not timed).
+        step_requests: requests scheduled in the current step (auto's per-request cost).
     """
 
     config: DDTreeConfig
@@ -52,6 +53,7 @@ class V1EngineState:
         default_factory=dict)
     step_index: int = 0
     step_rows: int = 0
+    step_requests: int = 1
 
 
 def engine_state(runner: Any) -> V1EngineState | None:
