@@ -11,12 +11,15 @@ of a step by the cumulative time of the functions that do them (ms per engine st
   for DDTree); **tree build**: the plugin's best-first trees inside it;
 - **sampling / verification**: ``GPUModelRunner._sample`` (vLLM's sampler or rejection sampler;
   for DDTree the plugin's tree walk and KV compaction);
-- **step layout**: the plugin's ``plan_tree_step`` (rows, positions and masks of each tree).
+- **step layout**: the plugin's ``plan_tree_step`` (rows, positions and masks of each tree);
+- ``ddtree_budget="auto"`` only: **auto: allocate** (the controller's per-step sizing and the
+  cut of each tree, part of the drafter) and **auto: calibrate** (folding the verified trees
+  into the acceptance calibration, part of sampling / verification).
 
 cProfile slows Python-heavy parts more than kernels, so read the columns as shares, and take
 speeds from ``benchmarks/e2e.py`` / ``benchmarks/auto_budget.py``.
 
-    python benchmarks/step_profile.py --configs AR DFlash B=8 B=64
+    python benchmarks/step_profile.py --configs AR DFlash B=8 B=64 auto
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ PARTS = {
     "tree build": [("vllm_ddtree/proposer.py", "build_trees")],
     "sampling / verification": [(_RUNNER, "_sample"), ("vllm_ddtree/patches.py", "_sample")],
     "step layout": [("vllm_ddtree/step.py", "plan_tree_step")],
+    "auto: allocate": [("vllm_ddtree/proposer.py", "_propose_auto")],
+    "auto: calibrate": [("vllm_ddtree/budget.py", "observe_trees")],
 }
 
 
@@ -50,6 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--configs", nargs="+", default=["AR", "DFlash", "B=8", "B=64"])
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--dump", help="folder to write each configuration's pstats file to")
     return p.parse_args(argv)
 
 
@@ -58,9 +64,11 @@ def spec_for(name: str, drafter: str) -> dict | None:
         return None
     if name == "DFlash":
         return {"method": "dflash", "model": drafter, "num_speculative_tokens": 15}
+    if name == "auto":
+        return {"method": "ddtree", "model": drafter, "ddtree_budget": "auto"}
     if name.startswith("B="):
         return {"method": "ddtree", "model": drafter, "ddtree_budget": int(name[2:])}
-    raise SystemExit(f"unknown config {name!r} (AR, DFlash or B=<n>)")
+    raise SystemExit(f"unknown config {name!r} (AR, DFlash, B=<n> or auto)")
 
 
 def split(profile: cProfile.Profile) -> dict[str, float]:
@@ -108,6 +116,8 @@ def main(argv=None) -> int:
         profile.disable()
         wall = time.perf_counter() - t0
         release_llm(llm)
+        if args.dump:
+            profile.dump_stats(f"{args.dump}/{name}.pstats")
         steps = max(count[0], 1)
         parts = {k: 1e3 * v / steps for k, v in split(profile).items()}
         rows.append((name, 1e3 * wall / steps, parts))
