@@ -26,11 +26,8 @@ class _CpuLikeCost(StepCostModel):
     the controller would choose B_max for every request, which would not exercise sizes that
     change from step to step and across the requests of one step."""
 
-    def coefficients(self):
+    def coefficients(self, requests=1):
         return 0.01, 0.002
-
-    def per_request(self):
-        return 0.0
 
 
 def _use_cpu_like_cost(worker):

@@ -288,7 +288,7 @@ def _simulate(step_cost, steps=200, num_reqs=2, seed=0):
             u = float(torch.rand(1, generator=g))
             a = sum(1 for j in range(1, b + 1) if u < 0.5 * 0.97 ** j)
             ctl.observe_tree(r, plp[: b + 1], list(range(a + 1)))
-        ctl.observe_step(rows, step_cost(rows))
+        ctl.observe_step(rows, step_cost(rows), num_reqs)
     return ctl
 
 
@@ -384,26 +384,39 @@ def test_build_cap_follows_the_last_allocation():
     assert ctl.build_cap() == 64
 
 
-def test_cost_model_separates_per_request_from_per_token_cost():
-    """Steps of batch 1 and batch 8 with trees of several sizes: the fit finds the cost of a
-    request apart from the cost of a token, so a batch of 8 does not read as steep tokens (the
-    controller then shrank every tree at batch 8)."""
+def test_cost_model_fits_each_batch_size_apart():
+    """Steps at batch 1 then batch 8, trees of several sizes, a cost per token that batching
+    amortises: each batch size gets its own intercept and slope, so batch 8's many rows do not
+    read as steep tokens (a fit over both made the controller shrink every tree at batch 8)."""
     m = StepCostModel()
     g = torch.Generator().manual_seed(1)
-    truth = lambda t, r: 0.005 + 0.0001 * t + 0.004 * r  # noqa: E731
-    for i in range(64):
-        r = 1 if i < 40 else 8
-        t = r * (1 + (4, 8, 16, 32)[i % 4])
-        m.observe(t, truth(t, r) + float(torch.randn(1, generator=g)) * 1e-5, requests=r)
-    a, b = m.coefficients()
-    assert a == pytest.approx(0.005, rel=0.05) and b == pytest.approx(0.0001, rel=0.05)
-    assert m.per_request() == pytest.approx(0.004, rel=0.02)
-    assert m.seconds(72, 8) == pytest.approx(truth(72, 8), rel=0.01)
-    # The allocation at batch 8 then sees cheap tokens: every tree B_max under these values.
+
+    def truth(t, r):
+        return 0.005 + 0.004 * r + (0.0004 if r == 1 else 0.00005) * t
+
+    def feed(r, n):
+        for i in range(n):
+            t = r * (1 + (4, 8, 16, 32)[i % 4])
+            m.observe(t, truth(t, r) + float(torch.randn(1, generator=g)) * 1e-5, requests=r)
+
+    feed(1, 40)
+    assert m.coefficients(8)[1] == pytest.approx(0.0004, rel=0.05)  # no batch-8 step yet: pooled
+    feed(8, 24)
+    for r, slope in ((1, 0.0004), (8, 0.00005)):
+        a, b = m.coefficients(r)
+        assert b == pytest.approx(slope, rel=0.05), r
+        assert m.seconds(72, r) == pytest.approx(truth(72, r), rel=0.01), r
+    assert m.coefficients(9) == m.coefficients(8)  # one bucket: 8 .. 15 requests
+    assert m.num_observations == 24 and m.spread(8) == m.spread(1) == pytest.approx(33 / 5)
+    # The allocation at batch 8 then sees cheap tokens: every tree B_max under these values,
+    # while at batch 1 the same trees are cut.
     ctl = BudgetController(32, cost=m, probe_every=0)
     plp = torch.log(torch.linspace(0.9, 0.3, 33)).float()
     plp[0] = 0.0
     assert ctl.allocate([str(i) for i in range(8)], [plp] * 8) == [32] * 8
+    assert ctl.allocate(["0"], [plp])[0] < 32
+    # Pooled over both sizes, the per-request term is found apart from the per-token one.
+    assert m.per_request() > 0.002
     # With one batch size only, the per-request term is not identified and stays 0.
     m1 = StepCostModel()
     for t in (5, 9, 17, 33) * 4:

@@ -23,11 +23,8 @@ def _fixed_cost(worker, slope: float = 0.000005):
     from vllm_ddtree.budget import StepCostModel
 
     class Fixed(StepCostModel):
-        def coefficients(self):
+        def coefficients(self, requests=1):
             return 0.01, slope
-
-        def per_request(self):
-            return 0.0
 
     worker.model_runner.drafter.controller.cost = Fixed()
     worker.model_runner.drafter.controller.probe_every = 0  # no probe sizes either

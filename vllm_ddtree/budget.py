@@ -239,27 +239,32 @@ def _batch_marginal_values(path_log_probs: Sequence[torch.Tensor],
 
 
 class StepCostModel:
-    """Online model of one engine step's wall time:
-    ``seconds = intercept + slope * tokens + per_request * requests``.
+    """Online model of one engine step's wall time, affine in the tokens it verified, per batch
+    size: ``seconds = intercept(requests) + slope(requests) * tokens``.
 
     ``tokens`` is what the step verified (every scheduled row: roots and tree nodes), ``requests``
-    how many requests it served. The per-request term is what a request costs whatever its tree
-    (the drafter's L rows, its context's attention, bookkeeping); without it, a batch of 8 after
-    a batch of 1 reads as a steep cost per token (both more rows and more requests) and the
-    trees shrink. Fitted by least squares on the last ``window`` observations; the two slopes
-    are pulled toward ``prior_slope`` and 0 with the weight of ``prior_weight`` pseudo-steps, so
-    the model is defined before any data (``(prior_intercept, prior_slope, 0)``), and with data
-    at one batch size the per-request term stays 0 (the intercept holds it); a slope is only
-    identified from the spread of tokens per request (:meth:`spread`). The fit is clamped to
-    slopes >= 0 and ``intercept >= min_intercept`` (a step always costs something).
+    how many requests it served. A step's cost is not additive in the two: on a CPU a tree node
+    costs several times more at batch 1 than at batch 8 (per-node work that batching amortises),
+    and a batch of 8 after a batch of 1 read as steep tokens to a fit over both (every tree
+    shrank at batch 8). So steps are kept per batch-size bucket (``requests`` 1, 2–3, 4–7, 8–15,
+    …; the last ``window`` steps of each) and two least-squares fits are made:
 
-    On a GPU the slope is close to 0 up to hundreds of tokens; on a CPU it dominates. The
-    default prior slope is 0 (GPU-like): the controller starts with large trees and learns the
-    real slope from the first steps of different sizes, rather than starting with chains and
+    * a **pooled** fit over every bucket, ``a + b * tokens + c * requests``, whose slopes are
+      pulled toward ``prior_slope`` and 0 with the weight of ``prior_weight`` pseudo-steps (so it
+      is defined before any data, and the per-request term stays 0 while one batch size was
+      seen); it is what a bucket without steps of its own uses;
+    * a **bucket** fit over the steps of the bucket, its slope pulled toward the pooled slope
+      the same way: the bucket's own slope once its steps have differed in tokens per request
+      (:meth:`spread`), the pooled slope until then.
+
+    Fits are clamped to slopes >= 0 and ``intercept >= min_intercept`` (a step always costs
+    something). On a GPU the slope is close to 0 up to hundreds of tokens; on a CPU it dominates.
+    The default prior slope is 0 (GPU-like): the controller starts with large trees and learns
+    the real slope from the first steps of different sizes, rather than starting with chains and
     never measuring what a tree costs.
 
     Args:
-        window: observations kept (>= 2).
+        window: observations kept per bucket (>= 2).
         prior_intercept: seconds per step before data (> 0).
         prior_slope: seconds per verified token before data (>= 0).
         prior_weight: pseudo-observations of the prior (> 0).
@@ -276,8 +281,17 @@ class StepCostModel:
         self.prior_slope = _check_pos_float("prior_slope", prior_slope, allow_zero=True)
         self.prior_weight = _check_pos_float("prior_weight", prior_weight)
         self.min_intercept = _check_pos_float("min_intercept", min_intercept)
-        self._obs: deque[tuple[float, float, float]] = deque(maxlen=window)
-        self._fit: tuple[float, float, float] | None = None
+        #: bucket -> the bucket's last ``window`` steps ``(tokens, requests, seconds)``.
+        self._obs: dict[int, deque[tuple[float, float, float]]] = {}
+        self._last_bucket = 1
+        self._pooled: tuple[float, float, float] | None = None
+        self._fits: dict[int, tuple[float, float]] = {}
+
+    @staticmethod
+    def bucket(requests: int) -> int:
+        """Batch-size bucket of a step serving ``requests`` requests: ``requests.bit_length()``
+        (1 → 1, 2–3 → 2, 4–7 → 3, 8–15 → 4, …)."""
+        return int(requests).bit_length()
 
     def observe(self, tokens: int, seconds: float, requests: int = 1) -> None:
         """Record one step.
@@ -293,49 +307,59 @@ class StepCostModel:
         _check_int("tokens", tokens, 1)
         _check_int("requests", requests, 1)
         s = _check_pos_float("seconds", seconds)
-        self._obs.append((float(tokens), float(requests), s))
-        self._fit = None
+        k = self._last_bucket = self.bucket(requests)
+        self._obs.setdefault(k, deque(maxlen=self.window)).append(
+            (float(tokens), float(requests), s))
+        self._pooled = None
+        self._fits.clear()
 
     @property
     def num_observations(self) -> int:
-        """Observations in the window."""
-        return len(self._obs)
+        """Observations in the window of the bucket of the last step observed."""
+        return len(self._obs.get(self._last_bucket, ()))
 
-    def spread(self) -> float:
-        """Largest over smallest tokens per request in the window (1.0 with fewer than 2
-        steps): the per-token slope is only identified when trees of different sizes were seen."""
-        if len(self._obs) < 2:
+    def spread(self, requests: int | None = None) -> float:
+        """Largest over smallest tokens per request among the steps of ``requests``' bucket
+        (default: the last step's), 1.0 with fewer than 2 steps: that bucket's slope is only
+        identified once its trees have differed in size."""
+        obs = self._obs.get(self._last_bucket if requests is None else self.bucket(requests), ())
+        if len(obs) < 2:
             return 1.0
-        xs = [x / r for x, r, _ in self._obs]
+        xs = [x / r for x, r, _ in obs]
         return max(xs) / min(xs)
 
-    def coefficients(self) -> tuple[float, float]:
-        """``(intercept seconds, slope seconds per token)`` of the current fit."""
-        return self._coefficients()[:2]
+    def coefficients(self, requests: int = 1) -> tuple[float, float]:
+        """``(intercept seconds, slope seconds per token)`` of a step serving ``requests``
+        requests: its bucket's fit, or the pooled one while the bucket has fewer than 2 steps."""
+        k = self.bucket(requests)
+        if len(self._obs.get(k, ())) < 2:
+            a, b, c = self._pooled_fit()
+            return a + c * requests, b
+        if k not in self._fits:
+            self._fits[k] = self._solve_bucket(k)
+        return self._fits[k]
 
     def per_request(self) -> float:
-        """Seconds per request served, beyond the tokens it verified."""
-        return self._coefficients()[2]
+        """The pooled fit's seconds per request served, beyond the tokens it verified."""
+        return self._pooled_fit()[2]
 
-    def _coefficients(self) -> tuple[float, float, float]:
-        if self._fit is None:
-            self._fit = self._solve()
-        return self._fit
+    def _pooled_fit(self) -> tuple[float, float, float]:
+        if self._pooled is None:
+            self._pooled = self._solve_pooled()
+        return self._pooled
 
-    def _solve(self) -> tuple[float, float, float]:
-        # Ridge least squares on (tokens, requests): centred first (the mean step is always
+    def _solve_pooled(self) -> tuple[float, float, float]:
+        # Ridge least squares on (tokens, requests), centred first (the mean step is always
         # identified); each slope is pulled toward its prior with weight lam (prior_weight
         # pseudo-steps at a distance of the feature's mean), so a feature that never varied
-        # keeps its prior. Negative slopes are dropped and the other refitted; a floored
-        # intercept refits the slopes through it.
+        # keeps its prior. A floored intercept refits the slopes through it.
         a0, b0, w = self.prior_intercept, self.prior_slope, self.prior_weight
         if not self._obs:
             return max(a0, self.min_intercept), b0, 0.0
-        obs = np.array(self._obs)
+        obs = np.array([o for d in self._obs.values() for o in d])
         X, y = obs[:, :2], obs[:, 2]
         mean = X.mean(0)
-        prior = np.array([b0, 0.0])
-        lam = w * mean * mean
+        prior, lam = np.array([b0, 0.0]), w * mean * mean
         coef = _clamped_ridge(X - mean, y - y.mean(), lam, prior)
         a = float(y.mean() - coef @ mean)
         if a < self.min_intercept:
@@ -343,14 +367,29 @@ class StepCostModel:
             coef = _clamped_ridge(X, y - a, lam, prior)
         return a, float(coef[0]), float(coef[1])
 
+    def _solve_bucket(self, k: int) -> tuple[float, float]:
+        # The same fit on tokens alone over one bucket's steps, the slope pulled toward the
+        # pooled slope.
+        obs = np.array(self._obs[k])
+        x, y = obs[:, 0], obs[:, 2]
+        xm, ym = float(x.mean()), float(y.mean())
+        lam = self.prior_weight * xm * xm
+        prior = self._pooled_fit()[1]
+        b = max(0.0, (float((x - xm) @ (y - ym)) + lam * prior) / (float((x - xm) @ (x - xm)) + lam))
+        a = ym - b * xm
+        if a < self.min_intercept:
+            a = self.min_intercept
+            b = max(0.0, (float(x @ (y - a)) + lam * prior) / (float(x @ x) + lam))
+        return a, b
+
     def seconds(self, tokens, requests: int = 1):
         """Predicted wall time of a step verifying ``tokens`` rows for ``requests`` requests
         (``tokens`` a number, or a float tensor / array of row counts giving seconds of the same
         type)."""
-        a, b = self.coefficients()
+        a, b = self.coefficients(requests)
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.double()
-        return a + self.per_request() * requests + b * tokens
+        return a + b * tokens
 
 
 def _clamped_ridge(X: np.ndarray, y: np.ndarray, lam: np.ndarray, prior: np.ndarray
@@ -632,7 +671,7 @@ class BudgetController:
         budgets = alloc.budgets
         self.stats.steps += 1
         if (self.probe_every and self.stats.steps % self.probe_every == 0
-                and self.cost.spread() < self.min_spread):
+                and self.cost.spread(num) < self.min_spread):
             up = (self.stats.steps // self.probe_every) % 2 == 1
             probe = [max(1, min(b * 2 if up else b // 2, v.size, self.max_budget))
                      for b, v in zip(budgets, values)]
