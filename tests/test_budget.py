@@ -369,8 +369,8 @@ def test_target_only_comparison_leaves_out_the_drafter_pass():
 
 
 def test_build_cap_follows_the_last_allocation():
-    """Trees are built at twice the last largest budget (8 .. B_max): room to double per step;
-    B_max before any allocation."""
+    """Trees are built at 1.5 × the last largest budget (8 .. B_max), twice it before a doubling
+    probe; B_max before any allocation."""
     from vllm_ddtree.budget import BudgetController, StepCostModel
 
     ctl = BudgetController(64, cost=StepCostModel(prior_intercept=0.01, prior_slope=0.01),
@@ -379,9 +379,16 @@ def test_build_cap_follows_the_last_allocation():
     ctl.allocate(["a"], [torch.log(torch.tensor([1.0, 0.9, 0.5, 0.01, 0.001]))])
     assert max(ctl.stats.last_budgets) <= 4 and ctl.build_cap() == 8
     ctl.stats.last_budgets = [20, 3]
-    assert ctl.build_cap() == 40
+    assert ctl.build_cap() == 30
+    ctl.stats.last_budgets = [21]
+    assert ctl.build_cap() == 32
     ctl.stats.last_budgets = [50]
     assert ctl.build_cap() == 64
+    ctl.probe_every = 4  # the next allocation (step 4) is a doubling probe
+    ctl.stats.steps, ctl.stats.last_budgets = 3, [20]
+    assert ctl.build_cap() == 40
+    ctl.stats.steps = 7  # step 8: a halving probe
+    assert ctl.build_cap() == 30
 
 
 def test_cost_model_fits_each_batch_size_apart():

@@ -753,13 +753,17 @@ class BudgetController:
             self.calibrator._observe(np.clip(q, 0.0, 1.0), np.concatenate(accs))
 
     def build_cap(self) -> int:
-        """How many nodes to build per tree before :meth:`allocate` cuts them: twice the largest
-        budget of the last allocation (at least 8, at most ``max_budget``), so a budget can double
-        from one step to the next (probes included) without building ``B_max`` nodes for every
-        request each step. Exact at any cap: the best-first pop order's first ``b`` nodes do not
-        depend on how many more are built."""
+        """How many nodes to build per tree before :meth:`allocate` cuts them: 1.5 × the largest
+        budget of the last allocation, twice it when the next allocation may be a doubling probe
+        (at least 8, at most ``max_budget``). A budget can grow by half from one step to the
+        next (8 → 64 in 6 steps) without building ``B_max`` nodes for every request each step:
+        the heap's pops cost per node built, not per node verified. Exact at any cap: the
+        best-first pop order's first ``b`` nodes do not depend on how many more are built."""
         last = max(self.stats.last_budgets, default=self.max_budget)
-        return min(self.max_budget, max(8, 2 * last))
+        step = self.stats.steps + 1
+        probe_up = bool(self.probe_every) and step % self.probe_every == 0 and (
+            step // self.probe_every) % 2 == 1
+        return min(self.max_budget, max(8, 2 * last if probe_up else -(-3 * last // 2)))
 
     def observe_drafter(self, seconds: float) -> None:
         """Record one drafter pass's wall time (seconds > 0), a part of every speculative step
