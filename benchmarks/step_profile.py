@@ -1,7 +1,7 @@
 """Where an engine step's time goes: target-only vs vLLM's DFlash chain vs DDTree, profiled.
 
-Runs each configuration on the shipped trained pair (batch 1, greedy, held-out prompts, in-process
-engine) once to warm up and once under ``cProfile``, then splits the profiled pass into the parts
+Runs each configuration on the shipped trained pair (greedy, held-out prompts, in-process
+engine) once at batch 1 to warm up and once under ``cProfile`` (``--batch`` prompts per call), then splits the profiled pass into the parts
 of a step by the cumulative time of the functions that do them (ms per engine step):
 
 - **target forward**: vLLM's ``GPUModelRunner._model_forward`` (the target's verification forward,
@@ -55,6 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--configs", nargs="+", default=["AR", "DFlash", "B=8", "B=64"])
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1, help="prompts per generate call")
     p.add_argument("--dump", help="folder to write each configuration's pstats file to")
     return p.parse_args(argv)
 
@@ -105,14 +106,15 @@ def main(argv=None) -> int:
             return _step(*a, **k)
 
         engine.step = counted
-        for prompt in prompts:  # warm-up pass
+        batches = [prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)]
+        for prompt in prompts:  # warm-up pass (batch 1, as benchmarks/auto_budget.py)
             llm.generate([prompt], params, use_tqdm=False)
         count[0] = 0
         profile = cProfile.Profile()
         t0 = time.perf_counter()
         profile.enable()
-        for prompt in prompts:
-            llm.generate([prompt], params, use_tqdm=False)
+        for batch in batches:
+            llm.generate(batch, params, use_tqdm=False)
         profile.disable()
         wall = time.perf_counter() - t0
         release_llm(llm)
