@@ -430,3 +430,18 @@ def test_cost_model_fits_each_batch_size_apart():
         m1.observe(t, 0.01 + 0.001 * t, requests=1)
     assert m1.per_request() == pytest.approx(0.0, abs=1e-6)
     assert m1.coefficients() == pytest.approx((0.01, 0.001), rel=0.01)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda c: c.allocate(["a"], [torch.tensor([0.0, float("nan"), -1.0])]), "NaN"),
+    (lambda c: c.allocate(["a"], [torch.tensor([0.0])]), "at least one node"),
+    (lambda c: c.allocate([], []), "no request"),
+    (lambda c: c.observe_tree("a", torch.tensor([0.0, -0.1]), [0, -1]), "outside a tree"),
+    (lambda c: c.observe_step(10**400, 0.01), "tokens"),
+    (lambda c: c.observe_step(10, 0.01, 10**400), "requests"),
+    (lambda c: c.cost.coefficients(0), "requests"),
+])
+def test_controller_refuses_bad_input_with_value_errors(call, match):
+    """Found by a tester: these raised IndexError / OverflowError or gave NaN fits."""
+    with pytest.raises(ValueError, match=match):
+        call(BudgetController(8))

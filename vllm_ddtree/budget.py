@@ -57,8 +57,10 @@ logger = logging.getLogger("vllm.ddtree")
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    # Counts only: below 2**53 so that float(value) is exact (and finite).
+    if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
+            or value >= 2**53):
+        raise ValueError(f"{name} must be an int in [{minimum}, 2**53), got {value!r}")
     return value
 
 
@@ -227,6 +229,8 @@ def _batch_marginal_values(path_log_probs: Sequence[torch.Tensor],
     if not sizes:
         return []
     lp = torch.cat([p[1:] for p in path_log_probs]).detach().cpu().numpy().astype(np.float64)
+    if np.isnan(lp).any():
+        raise ValueError("path_log_probs hold NaN")
     q = np.clip(np.exp(lp), 0.0, 1.0)
     v = q if calibrator is None else calibrator._calibrate(q)
     # Pop order is non-increasing in q, but calibration ratios can jump up at a bucket edge
@@ -330,8 +334,9 @@ class StepCostModel:
 
     def coefficients(self, requests: int = 1) -> tuple[float, float]:
         """``(intercept seconds, slope seconds per token)`` of a step serving ``requests``
-        requests: its bucket's fit, or the pooled one while the bucket has fewer than 2 steps."""
-        k = self.bucket(requests)
+        requests (int >= 1): its bucket's fit, or the pooled one while the bucket has fewer
+        than 2 steps."""
+        k = self.bucket(_check_int("requests", requests, 1))
         if len(self._obs.get(k, ())) < 2:
             a, b, c = self._pooled_fit()
             return a + c * requests, b
@@ -660,6 +665,10 @@ class BudgetController:
         """
         if len(req_ids) != len(path_log_probs):
             raise ValueError(f"{len(req_ids)} req_ids but {len(path_log_probs)} trees")
+        if not req_ids:
+            raise ValueError("no request to allocate")
+        if any(isinstance(p, torch.Tensor) and p.numel() < 2 for p in path_log_probs):
+            raise ValueError("every tree needs at least one node besides the root")
         values = _batch_marginal_values(path_log_probs, self.calibrator)
         if token_budget is not None:
             _check_int("token_budget", token_budget, 1)
@@ -732,7 +741,7 @@ class BudgetController:
         for req_id, path_log_probs, accepted_nodes in trees:
             n = path_log_probs.numel() - 1
             acc = np.zeros(n, dtype=bool)
-            idx = [i - 1 for i in accepted_nodes if i > 0]
+            idx = [i - 1 for i in accepted_nodes if i != 0]
             if any(not 0 <= i < n for i in idx):
                 raise ValueError(f"accepted node indices {list(accepted_nodes)} outside a tree "
                                  f"of {n} nodes")
