@@ -31,10 +31,6 @@ def _fixed_cost(worker, slope: float = 0.000005):
     return True
 
 
-def _gentle_cost(worker):
-    return _fixed_cost(worker)
-
-
 def test_sampled_distribution_with_auto_budget_equals_target_only(small_pair):
     """Tree sizes change from step to step and across the requests of one batch; the sampled
     distribution must not (T = 1)."""
@@ -51,7 +47,7 @@ def test_sampled_distribution_with_auto_budget_equals_target_only(small_pair):
         "method": "ddtree", "model": str(drafter), "ddtree_budget": "auto",
         "ddtree_max_budget": 16, "num_speculative_tokens": 3}, **dict(ENGINE, max_num_seqs=16))
     try:
-        assert llm.collective_rpc(_gentle_cost) == [True]
+        assert llm.collective_rpc(_fixed_cost) == [True]
         with recorded_verification() as rec:
             ours = _draw(llm, **CONFIGS[1])
     finally:

@@ -679,9 +679,8 @@ class BudgetController:
                           _check_int("extra_tokens", extra_tokens, 0), self.drafter_seconds)
         budgets = alloc.budgets
         self.stats.steps += 1
-        if (self.probe_every and self.stats.steps % self.probe_every == 0
-                and self.cost.spread(num) < self.min_spread):
-            up = (self.stats.steps // self.probe_every) % 2 == 1
+        up = self._probe_up(self.stats.steps)
+        if up is not None and self.cost.spread(num) < self.min_spread:
             probe = [max(1, min(b * 2 if up else b // 2, v.size, self.max_budget))
                      for b, v in zip(budgets, values)]
             rows = extra_tokens + sum(1 + b for b in probe)
@@ -769,10 +768,15 @@ class BudgetController:
         the heap's pops cost per node built, not per node verified. Exact at any cap: the
         best-first pop order's first ``b`` nodes do not depend on how many more are built."""
         last = max(self.stats.last_budgets, default=self.max_budget)
-        step = self.stats.steps + 1
-        probe_up = bool(self.probe_every) and step % self.probe_every == 0 and (
-            step // self.probe_every) % 2 == 1
-        return min(self.max_budget, max(8, 2 * last if probe_up else -(-3 * last // 2)))
+        grow = 2 * last if self._probe_up(self.stats.steps + 1) else -(-3 * last // 2)
+        return min(self.max_budget, max(8, grow))
+
+    def _probe_up(self, step: int) -> bool | None:
+        """Allocation ``step`` (1-based) may be a probe: True doubling, False halving (they
+        alternate every ``probe_every`` steps); None: not a probe step."""
+        if not self.probe_every or step % self.probe_every:
+            return None
+        return (step // self.probe_every) % 2 == 1
 
     def observe_drafter(self, seconds: float) -> None:
         """Record one drafter pass's wall time (seconds > 0), a part of every speculative step

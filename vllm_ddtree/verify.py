@@ -144,6 +144,8 @@ def sample_nodes(
         if keyed is not None:
             if len(keyed) != c:
                 raise ValueError(f"request row {b}: {len(keyed)} seeds for {c} rows")
+            # One generator per row, not per depth: vLLM's sampler advances a generator
+            # with each row it draws, so siblings sharing one would not share the noise.
             for r, s in zip(range(row, row + c), keyed):
                 generators[r] = torch.Generator(device=logits.device).manual_seed(s)
         elif (g := sampling_metadata.generators.get(b)) is not None:
