@@ -94,7 +94,6 @@ def _bare_proposer(max_budget: int, max_tokens: int = 512):
     p.controller = BudgetController(max_budget)
     p.trees = {}
     p._max_tokens = max_tokens
-    p._last_propose = None
     p._ddtree_runner = SimpleNamespace(_ddtree=SimpleNamespace(step_index=0, step_rows=0,
                                                                step_requests=2))
     return p
@@ -126,10 +125,13 @@ def test_proposer_auto_path_cuts_trees_to_prefixes_and_learns():
     # Step timing: only consecutive engine steps are a step's cost.
     state = p._ddtree_runner._ddtree  # the propose above ran in step 0
     state.step_index, state.step_rows = 2, 30  # an idle gap (no step 1): not a step's cost
-    p._time_step()
+    p._propose_auto(["a", "b"], full)
     assert p.controller.cost.num_observations == 0
     state.step_index = 3
-    p._time_step()
+    p._propose_auto(["a", "b"], full)
+    assert p.controller.cost.num_observations == 1
+    state.step_index, state.step_rows = 4, 0  # a step with prefill chunks: not timed
+    p._propose_auto(["a", "b"], full)
     assert p.controller.cost.num_observations == 1
 
     # Calibration from a verified step: the proposer's trees count, a chain built from the

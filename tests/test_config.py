@@ -424,12 +424,14 @@ def test_auto_concurrency_warning_names_the_max_budget():
     assert "ddtree_budget=" not in message
 
 
-def test_auto_budget_is_refused_on_model_runner_v2(dflash_drafter):
-    """V2 verifies max(B, L) rows per request whatever the tree's size, so auto would save
-    nothing there yet: its speculator refuses it before building anything."""
+def test_auto_budget_with_a_hybrid_target_is_refused_on_model_runner_v2(dflash_drafter):
+    """V2's hybrid metadata takes each request's recurrent layout from the scheduled draft
+    count, which auto's trimmed rows no longer match: refused before anything is built."""
     from vllm_ddtree.runners.v2 import DDTreeSpeculator
 
     _, cfg = translate_speculative_config(spec(dflash_drafter, ddtree_budget="auto"))
-    vllm_config = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: cfg.to_dict()})
-    with pytest.raises(DDTreeConfigError, match=r"'auto' runs on Model Runner V1 only"):
+    vllm_config = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: cfg.to_dict()},
+                                  model_config=SimpleNamespace(is_hybrid=True))
+    with pytest.raises(DDTreeConfigError, match=r"'auto' does not run hybrid targets on "
+                                                r"Model Runner V2"):
         DDTreeSpeculator(vllm_config, device="cpu")

@@ -11,24 +11,9 @@ from __future__ import annotations
 
 from collections import Counter
 
+from tests.support.auto_cost import fixed_cost
 from tests.support.models import make_llm, release_llm
 from tests.test_sampling import ALPHA, CONFIGS, ENGINE, _draw, _p_values, small_pair  # noqa: F401
-
-
-def _fixed_cost(worker, slope: float = 0.000005):
-    """Run in the worker (``collective_rpc``): a fixed step-cost curve, 10 ms + ``slope`` s per
-    verified row. The default (5 µs) is gentle: some nodes pay and others do not, so ``auto``
-    sizes the trees of one step differently instead of always choosing B_max on this tiny
-    target; 0 gives every request B_max, a steep slope one-node chains."""
-    from vllm_ddtree.budget import StepCostModel
-
-    class Fixed(StepCostModel):
-        def coefficients(self, requests=1):
-            return 0.01, slope
-
-    worker.model_runner.drafter.controller.cost = Fixed()
-    worker.model_runner.drafter.controller.probe_every = 0  # no probe sizes either
-    return True
 
 
 def test_sampled_distribution_with_auto_budget_equals_target_only(small_pair):
@@ -47,7 +32,7 @@ def test_sampled_distribution_with_auto_budget_equals_target_only(small_pair):
         "method": "ddtree", "model": str(drafter), "ddtree_budget": "auto",
         "ddtree_max_budget": 16, "num_speculative_tokens": 3}, **dict(ENGINE, max_num_seqs=16))
     try:
-        assert llm.collective_rpc(_fixed_cost) == [True]
+        assert llm.collective_rpc(fixed_cost) == [True]
         with recorded_verification() as rec:
             ours = _draw(llm, **CONFIGS[1])
     finally:
@@ -86,7 +71,7 @@ def test_seeded_requests_reproduce_whatever_auto_chooses(small_pair):
     outs, sizes = [], []
     try:
         for slope in (0.0, 1.0):  # every tree B_max, then every tree one node
-            assert llm.collective_rpc(partial(_fixed_cost, slope=slope)) == [True]
+            assert llm.collective_rpc(partial(fixed_cost, slope=slope)) == [True]
             with recorded_verification() as rec:
                 got = llm.generate(prompts, params, use_tqdm=False)
             outs.append([list(o.outputs[0].token_ids) for o in got])

@@ -29,11 +29,13 @@ SEEDED = {"temperature": 0.9, "min_p": 0.02, "seed": 1234, "max_tokens": TOKENS,
 ORACLE = {"from": None, "sidestep": 3}
 
 
-def _ddtree(name, target, drafter, budget, ref, dtype="float32", sampling=GREEDY, **extra):
+def _ddtree(name, target, drafter, budget, ref, dtype="float32", sampling=GREEDY,
+            max_budget=None, **extra):
+    spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": budget}
+    if max_budget is not None:
+        spec["ddtree_max_budget"] = max_budget
     return {"name": name, "target": str(target), "prompts": PROMPTS, "dtype": dtype,
-            "sampling": sampling, **ENGINE,
-            "speculative_config": {"method": "ddtree", "model": str(drafter),
-                                   "ddtree_budget": budget},
+            "sampling": sampling, **ENGINE, "speculative_config": spec,
             "oracle": {**ORACLE, "from": ref}, **extra}
 
 
@@ -66,6 +68,7 @@ def attention_runs(qwen3_target, dflash_drafter) -> dict:
         _target("ref-seeded", t, sampling=SEEDED),
         _ddtree("B16-seeded", t, d, 16, "ref-seeded", sampling=SEEDED),
         _ddtree("B16-triton-tree", t, d, 16, "ref", triton_tree_backend=True),
+        _ddtree("auto", t, d, "auto", "ref", max_budget=16, fixed_cost=5e-5, record_rows=True),
     ]
     t0 = time.perf_counter()
     out = {c["name"]: c for c in run_v2({"configs": configs}, timeout=1800)["configs"]}
@@ -82,6 +85,25 @@ def test_v2_greedy_equals_target_only(attention_runs, name):
     ref, got = _ok(attention_runs["ref"]), _ok(attention_runs[name])
     assert got["token_ids"] == ref["token_ids"]
     assert _deep(got["spec"]), got["spec"]
+
+
+def test_v2_auto_budget_verifies_only_each_trees_rows(attention_runs):
+    """``ddtree_budget="auto"`` on V2: V2 schedules K = 16 draft rows per request, the
+    controller (a fixed cost of 10 ms + 50 µs per row, so that only some nodes pay) sizes each
+    tree, and only the trees' rows are verified (V2's adaptive-verification seam). Greedy
+    output equals target-only, with deep accepted paths."""
+    ref, got = _ok(attention_runs["ref"]), _ok(attention_runs["auto"])
+    assert got["token_ids"] == ref["token_ids"]
+    assert _deep(got["spec"]), got["spec"]
+    f, rows, spec = got["figures"], got["rows"], got["spec"]
+    assert 0 < f["auto_nodes"] < 16 * f["auto_trees"], f  # smaller trees than B_max
+    assert rows and all(verified <= scheduled for verified, scheduled in rows), rows
+    assert sum(v for v, _ in rows) < 0.8 * sum(s for _, s in rows), rows  # rows were cut
+    assert f["auto_observed_accepted"] > 0, f  # the calibration saw the verified trees
+    # The scheduler's draft counts are corrected for the rows it booked and V2 did not verify:
+    # the draft tokens reported are the tree nodes verified (every verified row but one root
+    # per request and step).
+    assert spec["num_draft_tokens"] == sum(v for v, _ in rows) - spec["num_drafts"], (spec, rows)
 
 
 def test_v2_logprobs_equal_target_only(attention_runs):
@@ -233,3 +255,46 @@ def test_v2_shadow_linear_verifies_chains_and_measures_trees(hybrid_runs):
     tree_tau = 1 + f["shadow_tree_accepted"] / f["shadow_steps"]
     chain_tau = 1 + f["shadow_chain_accepted"] / f["shadow_steps"]
     assert tree_tau > chain_tau + 0.2, (tree_tau, chain_tau)
+
+
+def test_verification_budget_keeps_each_requests_tree_rows():
+    """The stand-in for V2's adaptive-verification manager (no engine): each request keeps
+    its tree's draft rows (all scheduled rows without a tree, the scheduled ones when V2
+    booked fewer than the tree has), prefill chunks keep theirs; host and device counts agree;
+    a batch order other than V2's is refused."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+    from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
+
+    from vllm_ddtree.runners.v2 import DDTreeVerificationBudget
+    from vllm_ddtree.tree import chain_tree
+
+    K = 8
+    trees = {r: chain_tree(torch.arange(1, n + 1)) for r, n in (("a", 3), ("b", 1), ("d", 8))}
+    qsl = torch.zeros(9, dtype=torch.int32)
+    budget = DDTreeVerificationBudget(SimpleNamespace(trees=trees, max_num_reqs=8), qsl, K + 1,
+                                      torch.device("cpu"), admitted_counts=False)
+    # p: a prefill chunk; c: no tree (e.g. resumed); d: V2 booked 4 rows, its tree has 8.
+    tokens = {"p": 20, "a": K + 1, "b": K + 1, "c": K + 1, "d": 5}
+    drafts = {r: [-1] * K for r in "abc"} | {"d": [-1] * 4}
+    kept = {"p": 0, "a": 3, "b": 1, "c": K, "d": 4}
+    assert budget.get_num_tokens(tokens, drafts) == 20 + sum(n + 1 for n in kept.values()) - 1
+    order = sort_batch_req_ids(tokens, drafts, K + 1)
+    scheduled = np.array([tokens[r] for r in order], np.int32)
+    num_drafts = np.array([len(drafts.get(r, ())) for r in order], np.int32)
+    cu0 = np.concatenate([[0], np.cumsum(num_drafts + 1)]).astype(np.int32)
+    rows, cu = budget.compact_batch(num_drafts, scheduled, cu0)
+    assert rows.tolist() == [20 if r == "p" else kept[r] + 1 for r in order]
+    assert np.diff(cu).tolist() == [kept[r] + 1 for r in order]
+    cu_dev, loc, n = budget.reallocate_drafts(order, torch.arange(len(order)))
+    assert cu_dev.tolist() == cu.tolist() and loc is qsl and n == sum(kept.values())
+    budget.admitted_counts = True  # vLLM 0.33: a fourth item, None (host counts exact)
+    budget.get_num_tokens(tokens, drafts)
+    budget.compact_batch(num_drafts, scheduled, cu0)
+    assert budget.reallocate_drafts(order, torch.arange(len(order)))[3] is None
+    with pytest.raises(RuntimeError, match="batch order"):
+        budget.reallocate_drafts(order[::-1], torch.arange(len(order)))
+    with pytest.raises(RuntimeError, match="batch order"):
+        budget.compact_batch(num_drafts[::-1], scheduled[::-1], cu0)

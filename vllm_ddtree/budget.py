@@ -649,6 +649,8 @@ class BudgetController:
         self._pending: dict[str, float] = {}
         #: Moving average of the drafter pass's seconds per step (:meth:`observe_drafter`).
         self.drafter_seconds = 0.0
+        #: (step index, perf_counter) of the last :meth:`step_finished`.
+        self._last_step: tuple[int | None, float] | None = None
 
     def allocate(self, req_ids: Sequence[str], path_log_probs: Sequence[torch.Tensor],
                  token_budget: int | None = None, extra_tokens: int = 0) -> list[int]:
@@ -760,6 +762,17 @@ class BudgetController:
                 raise ValueError("path_log_probs hold NaN")
             self.calibrator._observe(np.clip(q, 0.0, 1.0), np.concatenate(accs))
 
+    def observe_verified(self, step: Any) -> None:
+        """Calibrate with what one verified step accepted (:meth:`observe_trees`).
+
+        Args:
+            step: a :class:`~vllm_ddtree.step.TreeStep` with ``accepted`` set on every request;
+                chains built from the scheduled tokens rather than the drafter's tree
+                (``proposed`` False) carry no drafter probabilities and are skipped.
+        """
+        self.observe_trees([(r.req_id, r.tree.path_log_probs, r.accepted)
+                            for r in step.requests if r.proposed and r.accepted])
+
     def build_cap(self) -> int:
         """How many nodes to build per tree before :meth:`allocate` cuts them: 1.5 × the largest
         budget of the last allocation, twice it when the next allocation may be a doubling probe
@@ -789,6 +802,49 @@ class BudgetController:
         """Record one step's verified rows, wall time and requests served (see
         :meth:`StepCostModel.observe`)."""
         self.cost.observe(tokens, seconds, requests)
+
+    def size_trees(self, req_ids: Sequence[str], trees: Sequence[Any],
+                   token_budget: int | None = None) -> list[Any]:
+        """:meth:`allocate` for one step's trees, each cut to its budget.
+
+        The trees were built at :meth:`build_cap` nodes; a prefix of the best-first pop order is
+        the best-first tree of that size (parents are popped before children), so only the size
+        changes and the step stays exact.
+
+        Args:
+            req_ids: the requests, in batch order.
+            trees: one :class:`~vllm_ddtree.tree.DraftTree` per request.
+            token_budget: rows one step may verify (``max_num_batched_tokens``); below two rows
+                per request the scheduler decides who waits, so it is then ignored.
+
+        Returns:
+            the cut trees, in order.
+        """
+        from vllm_ddtree.step import truncate_tree
+
+        cap = token_budget if token_budget is not None and token_budget >= 2 * len(req_ids) \
+            else None
+        budgets = self.allocate(req_ids, [t.path_log_probs for t in trees], token_budget=cap)
+        return [truncate_tree(t, b) for t, b in zip(trees, budgets)]
+
+    def step_finished(self, step_index: int | None, rows: int, requests: int,
+                      now: float) -> None:
+        """Feed the cost model at the end of one engine step's drafting: the time since the
+        previous call is one engine step (scheduling, the target forward of the ``rows`` it
+        verified, the drafter) when the two calls belong to consecutive steps (an idle engine in
+        between is not cost) and the step was decode-only (``rows > 0``; the caller passes 0 for
+        steps with prefill chunks, which cost far less per row than tree nodes).
+
+        Args:
+            step_index: the runner's count of prepared steps (``None``: unknown, not timed).
+            rows: tokens the step verified, or 0.
+            requests: requests scheduled in the step.
+            now: ``time.perf_counter()`` at the call, s.
+        """
+        last, self._last_step = self._last_step, (step_index, now)
+        if (step_index is not None and last is not None and last[0] is not None
+                and last[0] == step_index - 1 and rows > 0):
+            self.observe_step(rows, now - last[1], requests)
 
     def forget(self, live_req_ids: set[str]) -> None:
         """Drop predictions of requests that are gone."""

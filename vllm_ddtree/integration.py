@@ -371,6 +371,13 @@ REGISTER: list[Change] = [
        "mixed in (tree layout, depth positions, tree attention published, DDTreeVerifier as the "
        "rejection sampler).",
        both("(vllm_config, model)"), _P),
+    _c(f"{_V2R}.model_runner:GPUModelRunner.initialize_kv_cache", "patch",
+       "ddtree_budget='auto' on V2: after vLLM's set-up (so the CUDA-graph mode V2 chose "
+       "stands), the runner's adaptive_verification is runners.v2.DDTreeVerificationBudget, "
+       "V2's seam for verifying fewer draft rows than were scheduled (DSpark's): each request "
+       "verifies its tree's rows only.",
+       both("(self, kv_cache_config, is_profiling=False, kv_cache_allocation_context=None)"),
+       _P),
     # ---- global swaps, overrides, registrations
     _c(f"{_RUNNER}:DFlashProposer", "global swap",
        "The runner module's DFlashProposer name is DDTreeProposer while the patched "
@@ -695,6 +702,25 @@ REGISTER: list[Change] = [
     _c(f"{_V2R}.metrics.logits:get_num_nans", "dependency",
        "NaN count of the logits, as the rejection sampler reports it.",
        both("(logits)"), _V2),
+    _c(f"{_V2R}.model_runner:sort_batch_req_ids", "dependency",
+       "DDTreeVerificationBudget orders its per-request row counts as the runner orders the "
+       "batch (checked against the runner's order every step).",
+       both("(num_tokens_per_req, draft_tokens, decode_query_len)"), _V2),
+    # DDTreeVerificationBudget stands in for this class: the runner calls these methods.
+    *[_c(f"{_V2R}.spec_decode.adaptive_verification:AdaptiveVerificationManager.{name}",
+         "dependency",
+         "Called by V2's runner on its adaptive_verification object, which is "
+         "DDTreeVerificationBudget under ddtree_budget='auto' (same call, same results; "
+         "0.33's reallocate_drafts returns a fourth item, the admitted counts).",
+         both(f"(self, {args})"), _V2)
+      for name, args in (("get_num_tokens", "num_tokens_per_req, draft_tokens"),
+                         ("compact_batch", "num_draft_tokens_per_req, num_scheduled_tokens, "
+                                           "cu_num_logits_np"),
+                         ("reallocate_drafts", "req_ids, idx_mapping"),
+                         ("add_request", "req_idx"),
+                         ("record_confidences", "confidence_probs, input_batch"),
+                         ("batches_to_profile", "capture_sizes"),
+                         ("set_initial_cost_curves", "samples"))],
     # ---- attributes the plugin reads
     *_attrs(f"{_V2R}.spec_decode.dflash.speculator:DFlashSpeculator",
             "model sample_indices num_speculative_steps max_num_reqs draft_attn_layer_names "
@@ -704,8 +730,12 @@ REGISTER: list[Change] = [
             "num_reqs positions input_ids logits_indices idx_mapping idx_mapping_np "
             "expanded_idx_mapping expanded_local_pos seq_lens seq_lens_cpu_upper_bound "
             "cu_num_logits cu_num_logits_np query_start_loc_np num_draft_tokens "
-            "num_draft_tokens_per_req",
+            "num_draft_tokens_per_req num_tokens has_prefill",
             "V2's step layout the tree step is laid onto and verified in.", _V2),
+    *_attrs(f"{_V2R}.model_runner:GPUModelRunner",
+            "speculator adaptive_verification input_buffers decode_query_len device",
+            "Read (and adaptive_verification set) when ddtree_budget='auto' installs "
+            "DDTreeVerificationBudget.", _P),
     *_attrs(f"{_V2R}.sample.sampler:Sampler",
             "compute_nans sampling_states req_states logprobs_mode",
             "Read by DDTreeVerifier as V2's rejection sampler reads them.", _V2),

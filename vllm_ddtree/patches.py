@@ -876,3 +876,27 @@ def _v2_resolve_model_state_cls(original: Callable) -> Callable:
         return ddtree_model_state_cls(cls)
 
     return resolve_model_state_cls
+
+
+@patch(_V2_RUNNER, "GPUModelRunner.initialize_kv_cache")
+def _v2_initialize_kv_cache(original: Callable) -> Callable:
+    def initialize_kv_cache(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        spec = getattr(self, "speculator", None)
+        if getattr(spec, "controller", None) is None:
+            return  # not a DDTree engine, or a fixed budget
+        from vllm_ddtree.runners.v2 import DDTreeSpeculator, DDTreeVerificationBudget
+
+        if not isinstance(spec, DDTreeSpeculator):
+            return
+        if self.adaptive_verification is not None:
+            raise DDTreeConfigError(
+                "speculative_config['enable_adaptive_verification'] cannot be combined with "
+                "ddtree_budget='auto' (auto sizes each request's tree itself)")
+        self.adaptive_verification = DDTreeVerificationBudget(
+            spec, self.input_buffers.query_start_loc, self.decode_query_len, self.device,
+            admitted_counts=integration.installed_vllm_version() != "0.32.0")
+        logger.info("DDTree auto budget (Model Runner V2): each request verifies its own "
+                    "tree's rows of the %d V2 schedules", self.decode_query_len - 1)
+
+    return initialize_kv_cache

@@ -25,7 +25,7 @@ from vllm_ddtree.budget import BudgetController
 from vllm_ddtree.config import DDTreeConfig, count_prefixes, get_ddtree_config
 from vllm_ddtree.metrics import WorkerFigures
 from vllm_ddtree.shadow import ShadowAcceptance
-from vllm_ddtree.step import TreeStep, truncate_tree
+from vllm_ddtree.step import TreeStep
 from vllm_ddtree.tree import DraftTree, build_draft_trees, chain_tree
 
 logger = logging.getLogger("vllm.ddtree")
@@ -94,8 +94,6 @@ class DDTreeProposer(DFlashProposer):
             if ddtree.auto_budget and self.shadow is None
             else None)
         self._max_tokens = max_tokens
-        #: (engine step index, perf_counter) at the end of the last propose: auto's step timer.
-        self._last_propose: tuple[int, float] | None = None
         logger.info(
             "DDTree proposer ready in pid %d: node budget B=%s, drafter horizon L=%d",
             os.getpid(), f"auto (1..{ddtree.budget})" if ddtree.auto_budget else ddtree.budget,
@@ -169,51 +167,27 @@ class DDTreeProposer(DFlashProposer):
         return out.to(logits.device)
 
     def _propose_auto(self, req_ids: list[str], trees: list[DraftTree]) -> list[list[int]]:
-        """``ddtree_budget="auto"``: each tree cut to the size the controller chooses.
-
-        The trees were built at ``B_max``; a prefix of the pop order is the best-first tree of
-        that size (parents are popped before children), so only the size changes and the step
-        stays exact. Returned as one list per request (vLLM's V1 runner schedules a list of
-        any length, as for its n-gram drafter); each request then verifies its own number of
-        rows.
-        """
-        self._time_step()
-        # One step holds max_num_batched_tokens rows; below one node per request the scheduler
-        # decides who waits, so no cap is passed then.
-        cap = self._max_tokens if self._max_tokens >= 2 * len(req_ids) else None
-        budgets = self.controller.allocate(
-            req_ids, [t.path_log_probs for t in trees], token_budget=cap)
+        """``ddtree_budget="auto"``: each tree cut to the size the controller chooses
+        (:meth:`BudgetController.size_trees <vllm_ddtree.budget.BudgetController.size_trees>`),
+        returned as one list per request (vLLM's V1 runner schedules a list of any length, as
+        for its n-gram drafter); each request then verifies its own number of rows."""
+        state = getattr(self._ddtree_runner, "_ddtree", None)
+        self.controller.step_finished(getattr(state, "step_index", None),
+                                      getattr(state, "step_rows", 0),
+                                      getattr(state, "step_requests", 1), time.perf_counter())
         out = []
-        for req_id, tree, b in zip(req_ids, trees, budgets):
-            tree = truncate_tree(tree, b)
+        for req_id, tree in zip(req_ids, self.controller.size_trees(req_ids, trees,
+                                                                     self._max_tokens)):
             self.trees[req_id] = tree
             out.append(tree.token_ids.tolist())
         return out
 
-    def _time_step(self) -> None:
-        """Feed the controller's cost model: the time from the last propose to this one is one
-        engine step (scheduling, the target forward of the rows it verified, the drafter), when
-        the two calls belong to consecutive steps (an idle engine in between is not cost)."""
-        state = getattr(self._ddtree_runner, "_ddtree", None)
-        now = time.perf_counter()
-        index = getattr(state, "step_index", None)
-        rows = getattr(state, "step_rows", 0)
-        last, self._last_propose = self._last_propose, (index, now)
-        if index is not None and last is not None and last[0] == index - 1 and rows > 0:
-            self.controller.observe_step(rows, now - last[1], state.step_requests)
-
     def observe_verified(self, step: TreeStep) -> None:
-        """``ddtree_budget="auto"``: calibrate the controller with what this step accepted.
-
-        Args:
-            step: the verified step (``accepted`` set on every request); chains built from the
-                scheduled tokens rather than the proposer's tree carry no drafter probabilities
-                and are skipped.
-        """
-        if self.controller is None:
-            return
-        self.controller.observe_trees([(r.req_id, r.tree.path_log_probs, r.accepted)
-                                       for r in step.requests if r.proposed and r.accepted])
+        """``ddtree_budget="auto"``: calibrate the controller with what this step accepted
+        (:meth:`BudgetController.observe_verified
+        <vllm_ddtree.budget.BudgetController.observe_verified>`)."""
+        if self.controller is not None:
+            self.controller.observe_verified(step)
 
     def build_trees(self, req_ids: list[str], log_probs: torch.Tensor) -> list[DraftTree]:
         """Best-first draft trees (paper Alg. 1), one per request.

@@ -27,7 +27,10 @@ Spec (all keys but ``configs`` optional)::
                                  # output (tests.support.oracle_drafts; sidestep > 0 puts the
                                  # target's token at rank 1 every `sidestep` tokens)
         "disable": ["kv_compaction", "recurrent_relayout"],  # power checks: must then differ
-        "triton_tree_backend": true}]}  # the CUDA tree backend registered for CPU_ATTN
+        "triton_tree_backend": true,  # the CUDA tree backend registered for CPU_ATTN
+        "fixed_cost": 5e-6,      # ddtree_budget="auto": a fixed step cost, 10 ms + this many
+                                 # seconds per row (tests.support.auto_cost), no probes
+        "record_rows": true}]}   # result "rows": [[rows verified, rows scheduled] per step]
 
 Result::
 
@@ -40,6 +43,8 @@ Result::
                            "num_accepted_tokens": int, "accepted_per_pos": [int, ...]},
                   "figures": {name: sum} of the DDTree worker figures (vllm_ddtree.metrics.
                              WORKER_FIGURES) that reached the front end during generate,
+                  "rows": [[logits rows verified, rows V2 scheduled] per verifying step]
+                          (with "record_rows"),
                   "build_s": float, "generate_s": float,
                   "error": null or "<Type>: <message>\\n<traceback tail>"}]}
 
@@ -83,11 +88,11 @@ _SPEC_METRICS = {
 _PER_POS_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos"
 #: Result fields of a config that produced nothing.
 _EMPTY = {"runners": None, "token_ids": None, "prompt_lens": None, "prompt_token_ids": None,
-          "logprobs": None, "spec": None, "figures": None,
+          "logprobs": None, "spec": None, "figures": None, "rows": None,
           "build_s": None, "generate_s": None}
 #: Config keys that are not ``vllm.LLM`` keyword arguments.
 _OWN_KEYS = ("name", "target", "prompts", "sampling", "env", "oracle", "disable",
-             "triton_tree_backend")
+             "triton_tree_backend", "fixed_cost", "record_rows")
 
 
 class V2RunError(RuntimeError):
@@ -192,6 +197,8 @@ def _delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 
 
 _FIGURES: dict[str, float] = {}
+#: ``record_rows``: [logits rows verified, rows scheduled] per step with drafts.
+_ROWS: list[list[int]] = []
 
 
 def _capture_figures() -> None:
@@ -243,6 +250,19 @@ def _test_hooks(cfg: dict[str, Any], done: list[dict[str, Any]]) -> list:
             original = getattr(commit, attr)
             setattr(commit, attr, lambda *a, **k: 0)
             undo.append(lambda attr=attr, original=original: setattr(commit, attr, original))
+    if cfg.get("record_rows"):
+        from vllm_ddtree.runners.v2 import DDTreeVerifier
+
+        call = DDTreeVerifier.__call__
+
+        def recording(self, logits, input_batch, *args, **kwargs):
+            per_req = input_batch.num_draft_tokens_per_req
+            if per_req is not None:  # a step with drafts
+                _ROWS.append([int(logits.shape[0]), input_batch.num_reqs + int(per_req.sum())])
+            return call(self, logits, input_batch, *args, **kwargs)
+
+        DDTreeVerifier.__call__ = recording
+        undo.append(lambda: setattr(DDTreeVerifier, "__call__", call))
     if cfg.get("triton_tree_backend"):
         from tests.support.triton_cpu import triton_backend_on_cpu
 
@@ -282,6 +302,12 @@ def _run_config(i: int, cfg: dict[str, Any], expected_runner: str,
         llm = LLM(**llm_kwargs(cfg["target"], **overrides))
         res["build_s"] = round(time.perf_counter() - t0, 2)
         res["runners"] = llm.collective_rpc(_runner_class)
+        if "fixed_cost" in cfg:
+            from functools import partial
+
+            from tests.support.auto_cost import fixed_cost
+
+            llm.collective_rpc(partial(fixed_cost, slope=float(cfg["fixed_cost"])))
         if any(r != expected_runner for r in res["runners"]):
             raise RuntimeError(f"expected model runner {expected_runner}, got {res['runners']}")
         prompts = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in cfg["prompts"]]
@@ -289,11 +315,14 @@ def _run_config(i: int, cfg: dict[str, Any], expected_runner: str,
         before = _spec_counters(llm)
         _capture_figures()
         _FIGURES.clear()
+        _ROWS.clear()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         res["generate_s"] = round(time.perf_counter() - t0, 2)
         res["spec"] = _delta(before, _spec_counters(llm))
         res["figures"] = dict(_FIGURES)
+        if cfg.get("record_rows"):
+            res["rows"] = list(_ROWS)
         res["token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
         res["prompt_lens"] = [len(o.prompt_token_ids) for o in outs]
         res["prompt_token_ids"] = [list(o.prompt_token_ids) for o in outs]

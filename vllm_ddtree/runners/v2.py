@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,7 @@ from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
+from vllm_ddtree.budget import BudgetController
 from vllm_ddtree.config import DDTreeConfig, DDTreeConfigError, count_prefixes, get_ddtree_config
 from vllm_ddtree.metrics import WorkerFigures
 from vllm_ddtree.shadow import ShadowAcceptance
@@ -85,16 +87,16 @@ class DDTreeSpeculator(DFlashSpeculator):
         ddtree = get_ddtree_config(vllm_config)
         if ddtree is None:
             raise ValueError("DDTreeSpeculator needs additional_config['ddtree']")
-        if ddtree.auto_budget:
-            # V2 lays out K = max(B, L) draft rows for every request whatever the tree's size,
-            # so a smaller tree would save nothing; the controller needs per-request row counts.
-            raise DDTreeConfigError(
-                "speculative_config['ddtree_budget']='auto' runs on Model Runner V1 only for "
-                "now (Model Runner V2 verifies max(B, L) rows per request whatever the tree's "
-                "size); set a fixed ddtree_budget, or VLLM_USE_V2_MODEL_RUNNER=0")
         self.ddtree: DDTreeConfig = ddtree
         #: Recurrent layers run the sequential tree oracle (every speculative row of the target).
         self.hybrid = bool(getattr(vllm_config.model_config, "is_hybrid", False))
+        if ddtree.auto_budget and self.hybrid:
+            # V2's hybrid metadata takes each request's recurrent layout from the scheduled
+            # draft count, which auto's trimmed rows no longer match.
+            raise DDTreeConfigError(
+                "speculative_config['ddtree_budget']='auto' does not run hybrid targets on "
+                "Model Runner V2 yet; set a fixed ddtree_budget, or VLLM_USE_V2_MODEL_RUNNER=0 "
+                "(Model Runner V1 runs auto on hybrid targets)")
         self.num_verify_slots = int(vllm_config.speculative_config.num_speculative_tokens)
         fillable = count_prefixes(vllm_config.model_config.get_vocab_size(),
                                   ddtree.drafter_horizon, ddtree.max_children, ddtree.budget)
@@ -122,6 +124,18 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._outputs: dict[str, list[int]] = {}
         if ddtree.hybrid == "shadow_linear":
             self.shadow = ShadowAcceptance(ddtree.drafter_horizon, figures=self.ddtree_figures)
+        #: ``ddtree_budget="auto"``: each step's per-request tree sizes; V2 verifies only those
+        #: rows through :class:`DDTreeVerificationBudget` (installed as the runner's
+        #: ``adaptive_verification``).
+        self.controller: BudgetController | None = (
+            BudgetController(ddtree.budget, figures=self.ddtree_figures)
+            if ddtree.auto_budget else None)
+        #: Auto's step timer: real steps prepared so far, and the last one's verified rows
+        #: (0 with a prefill chunk) and requests (:meth:`note_step`).
+        self.step_index = 0
+        self.step_rows = 0
+        self.step_requests = 1
+        self._max_tokens = max_tokens
         self._tree_tokens = torch.zeros(self.max_num_reqs, self.num_verify_slots,
                                         dtype=torch.int64, device=device)
         self._cache_layers: dict[str, tuple[Any, torch.Tensor]] | None = None
@@ -145,9 +159,10 @@ class DDTreeSpeculator(DFlashSpeculator):
             install_tree_mask_buffers(allocate_engine_tree_masks(
                 sched.max_num_seqs, ddtree.budget, device,
                 max_tree_tokens=sched.max_num_batched_tokens))
-        logger.info("DDTree speculator (Model Runner V2): node budget B=%d, drafter horizon "
-                    "L=%d, %d draft rows per request", ddtree.budget, ddtree.drafter_horizon,
-                    self.num_verify_slots)
+        logger.info("DDTree speculator (Model Runner V2): node budget B=%s, drafter horizon "
+                    "L=%d, %d draft rows per request",
+                    f"auto (1..{ddtree.budget})" if ddtree.auto_budget else ddtree.budget,
+                    ddtree.drafter_horizon, self.num_verify_slots)
 
     def load_model(self, target_model: Any) -> None:
         """The hybrid guard on the loaded target, then vLLM's DFlash drafter load.
@@ -202,8 +217,10 @@ class DDTreeSpeculator(DFlashSpeculator):
             from vllm_ddtree.commit import gather_accepted_rows
 
             gather_accepted_rows(aux_hidden_states or [last_hidden_states], step.requests)
+        t0 = time.perf_counter()
         super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
                         aux_hidden_states, num_sampled, num_rejected, *args, **kwargs)
+        drafter_seconds = time.perf_counter() - t0
         num_reqs = input_batch.num_reqs
         logits, self._logits = self._logits, None
         out = self._tree_tokens[:num_reqs]
@@ -216,10 +233,18 @@ class DDTreeSpeculator(DFlashSpeculator):
         trees = self.build_trees(req_ids, log_probs)
         if self.shadow is not None:
             trees = self._shadow_chains(req_ids, log_probs, trees)
+        if self.controller is not None:
+            # What a target-only step would not pay (its predicted rate is compared with trees').
+            self.controller.observe_drafter(drafter_seconds)
+            self.controller.step_finished(self.step_index, self.step_rows, self.step_requests,
+                                          time.perf_counter())
+            trees = self.controller.size_trees(req_ids, trees, self._max_tokens)
         host = torch.zeros(num_reqs, self.num_verify_slots, dtype=torch.int64)
         for i, (req_id, tree) in enumerate(zip(req_ids, trees)):
             n = L if self.shadow is not None else self.ddtree.budget
-            if tree.num_nodes != n:  # only possible with -inf drafts
+            if self.controller is not None:
+                n = tree.num_nodes  # the size auto chose (its tree was built in full)
+            elif tree.num_nodes != n:  # only possible with -inf drafts
                 raise RuntimeError(
                     f"DDTree built {tree.num_nodes} nodes for request {req_id}, expected {n}")
             host[i, :n] = tree.token_ids
@@ -227,6 +252,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         live = set(req_ids)
         for req_id in [r for r in self.trees if r not in live]:
             del self.trees[req_id]  # finished, aborted or preempted requests
+        if self.controller is not None:
+            self.controller.forget(live)
         if self.shadow is not None:
             self.shadow.forget(live)
             for req_id in [r for r in self._outputs if r not in live]:
@@ -250,6 +277,15 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.shadow.add(req_id, tree, chain, root=len(output) - 1 if output else None)
             chains.append(chain)
         return chains
+
+    def note_step(self, input_batch: Any) -> None:
+        """``ddtree_budget="auto"``: one real step is being prepared; its verified rows (after
+        :class:`DDTreeVerificationBudget` trimmed them) time it at the next :meth:`propose`.
+        Steps with a prefill chunk are not timed: a prefill row costs far less than a tree node
+        and would flatten the cost slope."""
+        self.step_index += 1
+        self.step_rows = 0 if input_batch.has_prefill else int(input_batch.num_tokens)
+        self.step_requests = int(input_batch.num_reqs)
 
     def record_output(self, req_ids: list[str], sampled: torch.Tensor,
                       num_sampled: list[int]) -> None:
@@ -278,8 +314,136 @@ class DDTreeSpeculator(DFlashSpeculator):
     def build_trees(self, req_ids: list[str], log_probs: torch.Tensor) -> list[DraftTree]:
         """Best-first draft trees (paper Alg. 1) from ``[R, L, V]`` float32 drafter log-probs."""
         self.last_log_probs = log_probs
+        budget = self.ddtree.budget if self.controller is None else self.controller.build_cap()
         with self.ddtree_figures.timed("tree_build"):
-            return build_draft_trees(log_probs, self.ddtree.budget, self.ddtree.max_children)
+            return build_draft_trees(log_probs, budget, self.ddtree.max_children)
+
+
+class DDTreeVerificationBudget:
+    """``ddtree_budget="auto"`` on V2: each request verifies only its tree's rows.
+
+    V2's scheduler books ``K = max(B_max, L)`` draft rows for every request (async scheduling
+    books them before the drafter has run), so a smaller tree alone would leave padding rows
+    that cost as much as nodes. V2 has one seam to verify fewer rows than were scheduled: the
+    runner's ``adaptive_verification`` object, which vLLM uses for DSpark
+    (``AdaptiveVerificationManager``, ``vllm/v1/worker/gpu/spec_decode/adaptive_verification.py``):
+    the runner asks it for the step's token count, the per-request row counts and the device
+    ``cu_num_logits`` / ``query_start_loc``, and trims the batch to them. This class answers
+    with each request's tree size (the controller's choice, :attr:`DDTreeSpeculator.trees`) and
+    keeps the host-side counts exact, so the tree layout, the verifier and the attention
+    metadata read the rows actually run. It is installed after ``initialize_kv_cache``
+    (:mod:`vllm_ddtree.patches`), so V2 keeps the CUDA-graph mode it chose: a trimmed batch is
+    not a uniform decode batch and runs piecewise or eagerly.
+
+    Args:
+        speculator: the engine's :class:`DDTreeSpeculator` (its ``trees`` give the sizes).
+        query_start_loc: the runner's ``input_buffers.query_start_loc`` (device, int32).
+        decode_query_len: the runner's ``decode_query_len`` (``K + 1``), for V2's batch order.
+        device: where ``cu_num_logits`` lives.
+        admitted_counts: vLLM 0.33's ``reallocate_drafts`` also returns the admitted draft
+            counts (``None`` when the host counts are exact, as here); 0.32's does not.
+
+    Raises:
+        RuntimeError: the runner's batch order differs from ``sort_batch_req_ids``'s (a vLLM
+            change this class must follow).
+    """
+
+    def __init__(self, speculator: DDTreeSpeculator, query_start_loc: torch.Tensor,
+                 decode_query_len: int, device: torch.device, admitted_counts: bool):
+        from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
+
+        self.speculator = speculator
+        self.query_start_loc = query_start_loc
+        self.decode_query_len = int(decode_query_len)
+        self.admitted_counts = admitted_counts
+        self._sort = sort_batch_req_ids
+        self._cu = torch.zeros(speculator.max_num_reqs + 1, dtype=torch.int32, device=device)
+        #: The step being prepared: request order, draft rows kept, other rows (host).
+        self._req_ids: list[str] = []
+        self._kept = np.zeros(0, dtype=np.int32)
+        self._other = np.zeros(0, dtype=np.int32)
+        self._cu_np = np.zeros(1, dtype=np.int32)
+
+    def get_num_tokens(self, num_tokens_per_req: dict[str, int],
+                       draft_tokens: dict[str, list[int]]) -> int:
+        """Rows of this step once each request's draft rows are cut to its tree's size.
+
+        Args:
+            num_tokens_per_req: scheduled tokens per request id (the scheduler's, untrimmed).
+            draft_tokens: scheduled draft tokens per request id (placeholders under V2).
+
+        Returns:
+            the step's token count.
+        """
+        order = self._sort(num_tokens_per_req, draft_tokens, self.decode_query_len)
+        trees = self.speculator.trees
+        scheduled = np.fromiter((len(draft_tokens.get(r, ())) for r in order), np.int32,
+                                len(order))
+        tree_sizes = np.fromiter((trees[r].num_nodes if r in trees else n
+                                  for r, n in zip(order, scheduled.tolist())), np.int32,
+                                 len(order))
+        self._req_ids = order
+        self._kept = np.minimum(scheduled, tree_sizes)
+        self._other = np.fromiter(map(num_tokens_per_req.__getitem__, order), np.int32,
+                                  len(order)) - scheduled
+        return int(self._other.sum() + self._kept.sum())
+
+    def compact_batch(self, num_draft_tokens_per_req: np.ndarray,
+                      num_scheduled_tokens: np.ndarray,
+                      cu_num_logits_np: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The host-side per-request row counts and ``cu_num_logits`` after the cut (exact).
+
+        Args:
+            num_draft_tokens_per_req, num_scheduled_tokens: ``[num_reqs]`` int32, batch order,
+                as scheduled.
+            cu_num_logits_np: ``[num_reqs + 1]`` int32 as scheduled (replaced).
+        """
+        if len(num_scheduled_tokens) != len(self._kept) or not np.array_equal(
+                num_scheduled_tokens - num_draft_tokens_per_req, self._other):
+            raise RuntimeError(
+                "DDTree auto budget: V2's batch order differs from sort_batch_req_ids "
+                "(vllm/v1/worker/gpu/model_runner.py); this vLLM version needs a plugin update")
+        cu = np.zeros(len(self._kept) + 1, dtype=cu_num_logits_np.dtype)
+        np.cumsum(self._kept + 1, out=cu[1:])
+        self._cu_np = cu
+        return self._other + self._kept, cu
+
+    def reallocate_drafts(self, req_ids: list[str], idx_mapping: torch.Tensor) -> tuple:
+        """The device ``cu_num_logits`` and ``query_start_loc`` of the cut batch.
+
+        ``query_start_loc`` is the runner's buffer, already written from the exact host counts
+        of :meth:`compact_batch`; only ``cu_num_logits`` is copied here.
+
+        Returns:
+            ``(cu_num_logits [num_reqs + 1] int32, query_start_loc, draft rows kept)``, and on
+            vLLM 0.33 a fourth ``None`` (the host counts are exact).
+
+        Raises:
+            RuntimeError: ``req_ids`` is not the order :meth:`get_num_tokens` computed.
+        """
+        if list(req_ids) != self._req_ids:
+            raise RuntimeError(
+                "DDTree auto budget: V2's batch order differs from sort_batch_req_ids "
+                "(vllm/v1/worker/gpu/model_runner.py); this vLLM version needs a plugin update")
+        cu = self._cu[: len(self._cu_np)]
+        cu.copy_(torch.from_numpy(self._cu_np))  # pageable host memory: a synchronous copy
+        out = (cu, self.query_start_loc, int(self._kept.sum()))
+        return (*out, None) if self.admitted_counts else out
+
+    # The rest of the interface the runner calls: no confidences to record and no cost
+    # profile to take (the controller measures real steps).
+    def add_request(self, req_idx: int) -> None:
+        """Nothing to reset per request."""
+
+    def record_confidences(self, confidence_probs: Any, input_batch: Any) -> None:
+        """The trees carry their own path probabilities."""
+
+    def batches_to_profile(self, capture_sizes: list[int]) -> Any:
+        """No dummy batches to time (``[]``)."""
+        return iter(())
+
+    def set_initial_cost_curves(self, samples: Any) -> None:
+        """The controller learns step costs from real steps."""
 
 
 class DDTreeModelStateMixin:
@@ -321,6 +485,8 @@ class DDTreeModelStateMixin:
                                         for_capture, *args, **kwargs)
         if for_capture or not real or spec is None:
             return metadata
+        if spec.controller is not None:
+            spec.note_step(input_batch)
         step = None
         if input_batch.num_draft_tokens:
             step = plan_v2_step(input_batch, spec.trees, slot_mappings.device)
@@ -371,10 +537,11 @@ def hybrid_context(step: TreeStep | None, input_batch: Any) -> Any:
     from vllm_ddtree.hybrid.context import HybridTreeContext
 
     parents = {}
+    cu = input_batch.cu_num_logits_np
     for r in (step.requests if step is not None else []):
         if not r.is_tree:
             continue
-        rows = int(input_batch.num_draft_tokens_per_req[r.batch_index]) + 1
+        rows = int(cu[r.batch_index + 1] - cu[r.batch_index])
         pad = torch.zeros(rows - r.num_rows, dtype=r.tree.parents.dtype)
         parents[r.batch_index] = torch.cat([r.tree.parents, pad])
     return HybridTreeContext(parents)
@@ -385,26 +552,29 @@ def plan_v2_step(input_batch: Any, trees: dict[str, DraftTree],
     """This step's :class:`~vllm_ddtree.step.TreeStep` from V2's ``InputBatch``.
 
     A request's draft rows follow its root row; V2 schedules ``K`` rows (fewer near
-    ``max_model_len`` or the token budget) and feeds the speculator's tokens itself, so the tree
-    is matched by request id (:func:`vllm_ddtree.step.lay_out_step`).
+    ``max_model_len`` or the token budget; with ``ddtree_budget="auto"``
+    :class:`DDTreeVerificationBudget` keeps only the tree's) and feeds the speculator's tokens
+    itself, so the tree is matched by request id (:func:`vllm_ddtree.step.lay_out_step`). The
+    verified draft rows are read from ``cu_num_logits_np`` (one bonus row per request), which
+    counts the rows kept, where ``num_draft_tokens_per_req`` counts the rows scheduled.
     """
-    per_req = input_batch.num_draft_tokens_per_req
-    if per_req is None:
+    if input_batch.num_draft_tokens_per_req is None:
         return None
     qsl = input_batch.query_start_loc_np
-    sched = input_batch.num_scheduled_tokens
+    cu = input_batch.cu_num_logits_np
     computed = input_batch.num_computed_tokens_np
     scheduled = []
     for b, req_id in enumerate(input_batch.req_ids[: input_batch.num_reqs]):
-        n = int(per_req[b])
+        n = int(cu[b + 1] - cu[b]) - 1
         if n <= 0:
             continue
-        root = int(qsl[b]) + int(sched[b]) - (n + 1)
+        rows = int(qsl[b + 1] - qsl[b])
+        root = int(qsl[b + 1]) - (n + 1)
         tokens = None
         if req_id not in trees:  # rare (e.g. a resumed request): verify its tokens as a chain
             tokens = input_batch.input_ids[root + 1 : root + 1 + n].tolist()
-        scheduled.append(ScheduledDrafts(req_id, b, root,
-                                         int(computed[b]) + int(sched[b]) - (n + 1), n, tokens))
+        scheduled.append(ScheduledDrafts(req_id, b, root, int(computed[b]) + rows - (n + 1), n,
+                                         tokens))
     return lay_out_step(scheduled, trees, device)
 
 
@@ -465,6 +635,8 @@ class DDTreeVerifier:
         width = spec.num_verify_slots + 1 if spec is not None else int(np.max(np.diff(cu)))
         by_batch = {r.batch_index: r for r in step.requests} if step is not None else {}
         sampled, emitted, perm = walk_step(choices.view(-1).tolist(), cu, by_batch, width)
+        if step is not None and spec is not None and spec.controller is not None:
+            spec.controller.observe_verified(step)  # auto learns what was accepted
         device = logits.device
         # Chunked-prefill rows emit nothing yet (seq_len < prefill_len), as in vLLM's samplers.
         num_sampled, num_rejected = get_num_sampled_and_rejected(
@@ -495,8 +667,9 @@ class DDTreeVerifier:
                 with spec.ddtree_figures.timed("kv_compaction"):
                     commit_tree_step(step, hybrid_ctx)
                 spec.last_step = step
-                # V2 schedules K rows per request: the rows past a smaller tree are padding,
-                # not draft tokens (the scheduler's counts are corrected with this).
+                # V2 schedules K rows per request: the rows past a smaller tree (padding, or
+                # rows auto did not verify) are not draft tokens; the scheduler's counts are
+                # corrected with this.
                 per_req = input_batch.num_draft_tokens_per_req
                 spec.ddtree_figures.add(padding_rows=sum(
                     int(per_req[r.batch_index]) - (r.num_rows - 1) for r in step.requests))
