@@ -422,16 +422,3 @@ def test_auto_concurrency_warning_names_the_max_budget():
     message = draft_concurrency_warning(auto, 2048, 256, "0.33.0")
     assert "ddtree_max_budget=64" in message and "lower ddtree_max_budget" in message
     assert "ddtree_budget=" not in message
-
-
-def test_auto_budget_with_a_hybrid_target_is_refused_on_model_runner_v2(dflash_drafter):
-    """V2's hybrid metadata takes each request's recurrent layout from the scheduled draft
-    count, which auto's trimmed rows no longer match: refused before anything is built."""
-    from vllm_ddtree.runners.v2 import DDTreeSpeculator
-
-    _, cfg = translate_speculative_config(spec(dflash_drafter, ddtree_budget="auto"))
-    vllm_config = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: cfg.to_dict()},
-                                  model_config=SimpleNamespace(is_hybrid=True))
-    with pytest.raises(DDTreeConfigError, match=r"'auto' does not run hybrid targets on "
-                                                r"Model Runner V2"):
-        DDTreeSpeculator(vllm_config, device="cpu")

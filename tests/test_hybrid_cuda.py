@@ -100,6 +100,15 @@ def _ddtree(name, target, drafter, budget, ref="ref", sampling=GREEDY, **extra):
             "oracle": {"from": ref, "sidestep": 3}}
 
 
+def _auto(name, target, drafter, ref="ref", sampling=GREEDY):
+    """``ddtree_budget="auto"`` up to 16 nodes under a fixed cost of 10 ms + 0.2 ms per row
+    (tests.support.auto_cost): per-request tree sizes, and the rows V2 booked and did not
+    verify recorded per step."""
+    cfg = _ddtree(name, target, drafter, "auto", ref, sampling)
+    cfg["speculative_config"]["ddtree_max_budget"] = 16
+    return {**cfg, "fixed_cost": 2e-4, "record_rows": True}
+
+
 def _runs(configs: list[dict]) -> dict:
     t0 = time.perf_counter()
     out = {c["name"]: c for c in
@@ -113,7 +122,8 @@ def _runs(configs: list[dict]) -> dict:
 def mamba2_cuda_runs(nemotron_h_pair) -> dict:
     t, d = nemotron_h_pair
     return _runs([_target("ref", t), _ddtree("B7", t, d, 7), _ddtree("B16", t, d, 16),
-                  _ddtree("B16-no-relayout", t, d, 16, disable=["recurrent_relayout"])])
+                  _ddtree("B16-no-relayout", t, d, 16, disable=["recurrent_relayout"]),
+                  _auto("auto", t, d)])
 
 
 def _ok(r: dict) -> dict:
@@ -128,12 +138,15 @@ def _equal_with_deep_paths(runs: dict, name: str, ref: str = "ref") -> None:
     assert got["token_ids"] == want["token_ids"]
     per_pos = got["spec"]["accepted_per_pos"]
     assert len(per_pos) > 1 and per_pos[1] > 0, got["spec"]
+    if got["rows"] is not None:  # auto: some step verified fewer rows than V2 booked
+        assert any(verified < scheduled for verified, scheduled in got["rows"]), got["rows"]
 
 
-@pytest.mark.parametrize("name", ["B7", "B16"])
+@pytest.mark.parametrize("name", ["B7", "B16", "auto"])
 def test_mamba2_cuda_path_equals_target_only(mamba2_cuda_runs, name):
     """Greedy DDTree on a Nemotron-H-like target through vLLM's Triton conv and SSU kernels
-    equals target-only through the same kernels."""
+    equals target-only through the same kernels (``auto``: per-request tree sizes, only the
+    trees' rows verified)."""
     _equal_with_deep_paths(mamba2_cuda_runs, name)
 
 
@@ -147,13 +160,16 @@ def test_mamba2_cuda_path_power_check_without_relayout(mamba2_cuda_runs):
 def gdn_cuda_runs(qwen3_next_target, qwen3_next_dflash_drafter) -> dict:
     t, d = qwen3_next_target, qwen3_next_dflash_drafter
     short = {**GREEDY, "max_tokens": 8}
-    return _runs([_target("ref", t, short), _ddtree("B9", t, d, 9, sampling=short)])
+    return _runs([_target("ref", t, short), _ddtree("B9", t, d, 9, sampling=short),
+                  _auto("auto", t, d, sampling=short)])
 
 
-def test_gdn_cuda_path_equals_target_only(gdn_cuda_runs):
+@pytest.mark.parametrize("name", ["B9", "auto"])
+def test_gdn_cuda_path_equals_target_only(gdn_cuda_runs, name):
     """Greedy DDTree on a Qwen3-Next-like target through GDN's forward_cuda (vLLM's Triton conv
-    and fused GDN update; 9 nodes, fewer than the drafter horizon) equals target-only."""
-    _equal_with_deep_paths(gdn_cuda_runs, "B9")
+    and fused GDN update; 9 nodes, fewer than the drafter horizon; ``auto``: per-request tree
+    sizes, only the trees' rows verified) equals target-only."""
+    _equal_with_deep_paths(gdn_cuda_runs, name)
 
 
 @pytest.mark.slow

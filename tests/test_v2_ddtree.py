@@ -69,6 +69,8 @@ def attention_runs(qwen3_target, dflash_drafter) -> dict:
         _ddtree("B16-seeded", t, d, 16, "ref-seeded", sampling=SEEDED),
         _ddtree("B16-triton-tree", t, d, 16, "ref", triton_tree_backend=True),
         _ddtree("auto", t, d, "auto", "ref", max_budget=16, fixed_cost=5e-5, record_rows=True),
+        _ddtree("auto-seeded", t, d, "auto", "ref-seeded", sampling=SEEDED, max_budget=16,
+                fixed_cost=5e-5, record_rows=True),
     ]
     t0 = time.perf_counter()
     out = {c["name"]: c for c in run_v2({"configs": configs}, timeout=1800)["configs"]}
@@ -116,13 +118,17 @@ def test_v2_logprobs_equal_target_only(attention_runs):
             assert max(abs(x - y) for (_, x), (_, y) in zip(pa, pb)) < 1e-4
 
 
-def test_v2_seeded_sampling_equals_target_only(attention_runs):
+@pytest.mark.parametrize("name", ["B16-seeded", "auto-seeded"])
+def test_v2_seeded_sampling_equals_target_only(attention_runs, name):
     """T > 0 with seeds: the same tokens as target-only decoding (V2 keys each draw by the
-    request's seed and the position, and a node is drawn at its depth position)."""
-    ref, got = _ok(attention_runs["ref-seeded"]), _ok(attention_runs["B16-seeded"])
+    request's seed and the position, and a node is drawn at its depth position), also with the
+    tree sizes ``auto`` chooses and the rows it cuts."""
+    ref, got = _ok(attention_runs["ref-seeded"]), _ok(attention_runs[name])
     assert ref["token_ids"] != _ok(attention_runs["ref"])["token_ids"]  # really sampled
     assert got["token_ids"] == ref["token_ids"]
     assert got["spec"]["num_accepted_tokens"] > 0, got["spec"]
+    if got["rows"] is not None:
+        assert any(verified < scheduled for verified, scheduled in got["rows"]), got["rows"]
 
 
 def test_v2_step_figures_reach_the_front_end(attention_runs):
@@ -159,8 +165,12 @@ def hybrid_runs(nemotron_h_pair, qwen3_next_target, qwen3_next_dflash_drafter) -
          "speculative_config": {"method": "ddtree", "model": str(nd), "ddtree_budget": 16,
                                 "num_speculative_tokens": SHADOW_L,
                                 "ddtree_hybrid": "shadow_linear"}},
+        _ddtree("nemotron-auto", nt, nd, "auto", "nemotron-ref", max_budget=16,
+                fixed_cost=5e-5, record_rows=True),
         _target("qwen3next-ref", qt, dtype="bfloat16"),
         _ddtree("qwen3next-B9", qt, qd, 9, "qwen3next-ref", dtype="bfloat16"),
+        _ddtree("qwen3next-auto", qt, qd, "auto", "qwen3next-ref", dtype="bfloat16",
+                max_budget=16, fixed_cost=5e-5, record_rows=True),
     ]
     t0 = time.perf_counter()
     out = {c["name"]: c for c in run_v2({"configs": configs}, timeout=1800)["configs"]}
@@ -169,14 +179,19 @@ def hybrid_runs(nemotron_h_pair, qwen3_next_target, qwen3_next_dflash_drafter) -
     return out
 
 
-@pytest.mark.parametrize("model,name", [("nemotron", "nemotron-B16"), ("qwen3next", "qwen3next-B9")])
+@pytest.mark.parametrize("model,name", [("nemotron", "nemotron-B16"), ("qwen3next", "qwen3next-B9"),
+                                        ("nemotron", "nemotron-auto"),
+                                        ("qwen3next", "qwen3next-auto")])
 def test_v2_hybrid_equals_target_only(hybrid_runs, model, name):
     """Hybrid targets on V2 (Mamba2: Nemotron-H fp32; GatedDeltaNet: Qwen3-Next bf16, B < K so
-    padding rows reach the recurrent layers): the sequential tree oracle keeps greedy output
-    equal to target-only with accepted paths off the spine."""
+    padding rows reach the recurrent layers; ``auto``: rows V2 booked and did not verify): the
+    sequential tree oracle keeps greedy output equal to target-only with accepted paths off the
+    spine."""
     ref, got = _ok(hybrid_runs[f"{model}-ref"]), _ok(hybrid_runs[name])
     assert got["token_ids"] == ref["token_ids"]
     assert got["spec"]["num_accepted_tokens"] > 0, got["spec"]
+    if got["rows"] is not None:
+        assert any(verified < scheduled for verified, scheduled in got["rows"]), got["rows"]
 
 
 def test_v2_hybrid_power_check_without_relayout(hybrid_runs):

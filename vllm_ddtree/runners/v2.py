@@ -90,13 +90,6 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.ddtree: DDTreeConfig = ddtree
         #: Recurrent layers run the sequential tree oracle (every speculative row of the target).
         self.hybrid = bool(getattr(vllm_config.model_config, "is_hybrid", False))
-        if ddtree.auto_budget and self.hybrid:
-            # V2's hybrid metadata takes each request's recurrent layout from the scheduled
-            # draft count, which auto's trimmed rows no longer match.
-            raise DDTreeConfigError(
-                "speculative_config['ddtree_budget']='auto' does not run hybrid targets on "
-                "Model Runner V2 yet; set a fixed ddtree_budget, or VLLM_USE_V2_MODEL_RUNNER=0 "
-                "(Model Runner V1 runs auto on hybrid targets)")
         self.num_verify_slots = int(vllm_config.speculative_config.num_speculative_tokens)
         fillable = count_prefixes(vllm_config.model_config.get_vocab_size(),
                                   ddtree.drafter_horizon, ddtree.max_children, ddtree.budget)
