@@ -312,6 +312,11 @@ class DDTreeSpeculator(DFlashSpeculator):
             return build_draft_trees(log_probs, budget, self.ddtree.max_children)
 
 
+_BATCH_ORDER_CHANGED = (
+    "DDTree auto budget: V2's batch order differs from sort_batch_req_ids "
+    "(vllm/v1/worker/gpu/model_runner.py); this vLLM version needs a plugin update")
+
+
 class DDTreeVerificationBudget:
     """``ddtree_budget="auto"`` on V2: each request verifies only its tree's rows.
 
@@ -325,8 +330,8 @@ class DDTreeVerificationBudget:
     with each request's tree size (the controller's choice, :attr:`DDTreeSpeculator.trees`) and
     keeps the host-side counts exact, so the tree layout, the verifier and the attention
     metadata read the rows actually run. It is installed after ``initialize_kv_cache``
-    (:mod:`vllm_ddtree.patches`), so V2 keeps the CUDA-graph mode it chose: a trimmed batch is
-    not a uniform decode batch and runs piecewise or eagerly.
+    (:mod:`vllm_ddtree.patches`), so V2 keeps the CUDA-graph mode it chose; a trimmed batch is
+    not a uniform decode batch and does not replay V2's uniform-decode graphs.
 
     Args:
         speculator: the engine's :class:`DDTreeSpeculator` (its ``trees`` give the sizes).
@@ -393,9 +398,7 @@ class DDTreeVerificationBudget:
         """
         if len(num_scheduled_tokens) != len(self._kept) or not np.array_equal(
                 num_scheduled_tokens - num_draft_tokens_per_req, self._other):
-            raise RuntimeError(
-                "DDTree auto budget: V2's batch order differs from sort_batch_req_ids "
-                "(vllm/v1/worker/gpu/model_runner.py); this vLLM version needs a plugin update")
+            raise RuntimeError(_BATCH_ORDER_CHANGED)
         cu = np.zeros(len(self._kept) + 1, dtype=cu_num_logits_np.dtype)
         np.cumsum(self._kept + 1, out=cu[1:])
         self._cu_np = cu
@@ -415,9 +418,7 @@ class DDTreeVerificationBudget:
             RuntimeError: ``req_ids`` is not the order :meth:`get_num_tokens` computed.
         """
         if list(req_ids) != self._req_ids:
-            raise RuntimeError(
-                "DDTree auto budget: V2's batch order differs from sort_batch_req_ids "
-                "(vllm/v1/worker/gpu/model_runner.py); this vLLM version needs a plugin update")
+            raise RuntimeError(_BATCH_ORDER_CHANGED)
         cu = self._cu[: len(self._cu_np)]
         cu.copy_(torch.from_numpy(self._cu_np))  # pageable host memory: a synchronous copy
         out = (cu, self.query_start_loc, int(self._kept.sum()))
