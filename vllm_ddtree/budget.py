@@ -792,8 +792,9 @@ class BudgetController:
         return (step // self.probe_every) % 2 == 1
 
     def observe_drafter(self, seconds: float) -> None:
-        """Record one drafter pass's wall time (seconds > 0), a part of every speculative step
-        that target-only decoding does not pay; kept as a moving average (weight 0.1)."""
+        """Record one step's drafting wall time (seconds > 0: the drafter pass and the tree
+        build), a part of every speculative step that target-only decoding does not pay; kept
+        as a moving average (weight 0.1)."""
         s = _check_pos_float("seconds", seconds)
         self.drafter_seconds = s if self.drafter_seconds == 0.0 else (
             0.9 * self.drafter_seconds + 0.1 * s)

@@ -137,9 +137,6 @@ class DDTreeProposer(DFlashProposer):
         L = self.ddtree.drafter_horizon
         t0 = time.perf_counter()
         super().propose(L, *args, **kwargs)
-        if self.controller is not None:
-            # What a target-only step would not pay (its predicted rate is compared with trees').
-            self.controller.observe_drafter(time.perf_counter() - t0)
         # vLLM's other code paths (dummy runs) read the slot count.
         self.num_speculative_tokens = self.ddtree.num_verify_slots
         logits = self._ddtree_logits
@@ -149,6 +146,10 @@ class DDTreeProposer(DFlashProposer):
         log_probs = torch.log_softmax(logits.float().view(num_reqs, L, -1), dim=-1)
         req_ids = list(self._ddtree_runner.input_batch.req_ids[:num_reqs])
         trees = self.build_trees(req_ids, log_probs)
+        if self.controller is not None:
+            # What a target-only step would not pay (the drafter pass and the trees; the tree
+            # build's device->host copy waits for the pass on a GPU).
+            self.controller.observe_drafter(time.perf_counter() - t0)
         if self.shadow is not None:
             # The chain comes from the distributions the trees were built from.
             return self._propose_shadow(req_ids, self.last_log_probs, trees).to(logits.device)
