@@ -445,3 +445,23 @@ def test_controller_refuses_bad_input_with_value_errors(call, match):
     """Found by a tester: these raised IndexError / OverflowError or gave NaN fits."""
     with pytest.raises(ValueError, match=match):
         call(BudgetController(8))
+
+
+def test_agreed_budgets_replace_the_local_choice():
+    """Tensor parallelism: ``agree`` (rank 0's budgets, broadcast) overrides this rank's own
+    choice, and what the controller records (predictions, the next build cap) follows the
+    agreed sizes; budgets that do not fit this rank's trees are refused."""
+    g = torch.Generator().manual_seed(3)
+    lps = [build_draft_tree(torch.log_softmax(torch.randn(6, 10, generator=g), -1), 12)
+           .path_log_probs for _ in range(2)]
+    c = BudgetController(12, probe_every=0)
+    seen = []
+    c.agree = lambda budgets: seen.append(budgets) or [5, 2]
+    assert c.allocate(["a", "b"], lps) == [5, 2]
+    assert len(seen) == 1 and len(seen[0]) == 2  # the local choice was offered
+    assert c.stats.last_budgets == [5, 2] and c.build_cap() == 8
+    assert c._pending["a"] == pytest.approx(float(torch.exp(lps[0][1:6]).sum()), rel=1e-5)
+    for bad in ([13, 1], [0, 1], [1]):
+        c.agree = lambda budgets, bad=bad: bad
+        with pytest.raises(ValueError, match="agreed budgets"):
+            c.allocate(["a", "b"], lps)

@@ -52,6 +52,10 @@ if __name__ == "__main__":
                           sidestep_period=args["sidestep_period"])
         print("REFERENCE " + json.dumps([list(o.outputs[0].token_ids) for o in ref]))
     llm = make_llm(args["target"], speculative_config=args["spec"], **tp2)
+    if args.get("rank_slopes"):
+        from functools import partial
+        from tests.support.auto_cost import fixed_cost
+        print("FIXED COSTS", llm.collective_rpc(partial(fixed_cost, rank_slopes=args["rank_slopes"])))
     outs = llm.generate(args["prompts"], params, use_tqdm=False)
     m = {x.name: x.value for x in llm.get_metrics() if x.name in (
         "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")}
@@ -63,7 +67,8 @@ if __name__ == "__main__":
 
 
 def tp2_ddtree_vs_target_only(target, drafter, tmp_path, *, prompts, max_tokens,
-                              sidestep_period, reference_tp=1, near_tie=0.0, **spec):
+                              sidestep_period, reference_tp=1, near_tie=0.0, rank_slopes=None,
+                              **spec):
     """Greedy DDTree at TP=2 (mp executor, injected drafts) and target-only greedy output.
 
     The target-only reference (and the injected drafts built from it) comes from an in-process
@@ -71,7 +76,8 @@ def tp2_ddtree_vs_target_only(target, drafter, tmp_path, *, prompts, max_tokens,
     (``reference_tp=2``). Returns ``(target-only token ids, DDTree token ids, τ, combined
     output)``; fails if the TP=2 run fails or not every rank started a proposer, and with
     ``reference_tp=2`` if a token differs other than at a ``near_tie`` (see
-    :func:`~tests.support.models.greedy_mismatches`).
+    :func:`~tests.support.models.greedy_mismatches`). ``rank_slopes``: ``ddtree_budget="auto"``
+    with a fixed step-cost slope per rank (:func:`tests.support.auto_cost.fixed_cost`).
     """
     drafts = str(tmp_path / "drafts.json")
     if reference_tp == 1:
@@ -81,9 +87,11 @@ def tp2_ddtree_vs_target_only(target, drafter, tmp_path, *, prompts, max_tokens,
     script.write_text(SCRIPT)
     args = dict(target=str(target), prompts=list(prompts), max_tokens=max_tokens,
                 reference_tp2=reference_tp == 2, sidestep_period=sidestep_period, near_tie=near_tie,
-                spec=dict(method="ddtree", model=str(drafter), **spec))
+                rank_slopes=rank_slopes, spec=dict(method="ddtree", model=str(drafter), **spec))
     env = subprocess_env(drafts, VLLM_ENABLE_V1_MULTIPROCESSING="1",
                          VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_KVCACHE_SPACE="1")
+    if rank_slopes:  # collective_rpc of a test function through the engine-core process
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     proc = subprocess.run([sys.executable, str(script), json.dumps(args)], env=env,
                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
     out = proc.stdout + proc.stderr
@@ -108,6 +116,21 @@ def test_tp2_greedy_equals_tp1_target_only(qwen3_target, dflash_drafter, tmp_pat
     print(f"qwen3 TP=2 tau {tau:.2f}")
     assert got == want
     assert tau > 3, f"no off-spine acceptance in the TP workers (tau {tau:.2f})"
+
+
+def test_tp2_auto_budget_ranks_verify_rank_0s_sizes(qwen3_target, dflash_drafter, tmp_path):
+    """``ddtree_budget="auto"`` at TP=2 whose two ranks would choose different tree sizes (each
+    rank's controller gets its own fixed step cost: rank 0 gentle, rank 1 steep): every rank
+    verifies rank 0's sizes, so output equals target-only with deep accepted paths. (Without the
+    agreement the ranks lay out different trees; measured: the output left target-only.)"""
+    want, got, tau, out = tp2_ddtree_vs_target_only(
+        qwen3_target, dflash_drafter, tmp_path, prompts=PROMPTS, max_tokens=MAX_TOKENS,
+        sidestep_period=3, ddtree_budget="auto", ddtree_max_budget=16,
+        rank_slopes=[5e-5, 1e-3])
+    print(f"qwen3 TP=2 auto tau {tau:.2f}")
+    assert "FIXED COSTS [True, True]" in out
+    assert got == want
+    assert tau > 2, f"accepted paths too short to tell the ranks' trees apart (tau {tau:.2f})"
 
 
 HYBRID_PROMPTS = ["def main():\n", "import os\nimport sys\n", "x = [1, 2, 3]\n"]

@@ -651,6 +651,11 @@ class BudgetController:
         self.drafter_seconds = 0.0
         #: (step index, perf_counter) of the last :meth:`step_finished`.
         self._last_step: tuple[int | None, float] | None = None
+        #: ``budgets -> budgets`` applied to every allocation, or ``None``. Under tensor
+        #: parallelism every rank builds the same trees and must verify the same sizes, but each
+        #: rank times its own steps, so the cost models (and the sizes) can differ; the runner
+        #: adapters set this to broadcast rank 0's budgets (:func:`vllm_ddtree.runners.rank_agreement`).
+        self.agree: Any = None
 
     def allocate(self, req_ids: Sequence[str], path_log_probs: Sequence[torch.Tensor],
                  token_budget: int | None = None, extra_tokens: int = 0) -> list[int]:
@@ -663,7 +668,11 @@ class BudgetController:
             token_budget, extra_tokens: as in :func:`allocate_budgets`.
 
         Returns:
-            per-request budgets in ``[1, min(n_i, max_budget)]``.
+            per-request budgets in ``[1, min(n_i, max_budget)]``; with :attr:`agree` set, the
+            budgets it returns (the same on every rank).
+
+        Raises:
+            ValueError: bad arguments, or :attr:`agree` returned budgets outside those bounds.
         """
         if len(req_ids) != len(path_log_probs):
             raise ValueError(f"{len(req_ids)} req_ids but {len(path_log_probs)} trees")
@@ -688,6 +697,12 @@ class BudgetController:
             rows = extra_tokens + sum(1 + b for b in probe)
             if token_budget is None or rows <= token_budget:
                 budgets = probe
+        if self.agree is not None:
+            budgets = [int(b) for b in self.agree(list(budgets))]
+            if len(budgets) != len(values) or any(
+                    not 1 <= b <= min(v.size, self.max_budget) for b, v in zip(budgets, values)):
+                raise ValueError(f"agreed budgets {budgets} do not fit this rank's trees "
+                                 f"({[v.size for v in values]} nodes)")
         for r, b, v in zip(req_ids, budgets, values):
             self._pending[r] = float(v[:b].sum())
         self.stats.budget_sum += sum(budgets)

@@ -702,6 +702,16 @@ REGISTER: list[Change] = [
     _c(f"{_V2R}.metrics.logits:get_num_nans", "dependency",
        "NaN count of the logits, as the rejection sampler reports it.",
        both("(logits)"), _V2),
+    _c("vllm.distributed.parallel_state:get_tp_group", "dependency",
+       "ddtree_budget='auto' under tensor parallelism: rank 0's tree sizes are broadcast to the "
+       "other ranks every step (runners.rank_agreement), whose cost models time their own steps.",
+       both("()"), "vllm_ddtree/runners/__init__.py"),
+    _c("vllm.distributed.parallel_state:GroupCoordinator.broadcast_object", "dependency",
+       "The per-step broadcast of rank 0's tree sizes (runners.rank_agreement).",
+       both("(self, obj=None, src=0)"), "vllm_ddtree/runners/__init__.py"),
+    *_attrs("vllm.distributed.parallel_state:GroupCoordinator", "world_size rank_in_group",
+            "Whether the tensor-parallel group has other ranks, and which one is this.",
+            "vllm_ddtree/runners/__init__.py"),
     _c(f"{_V2R}.model_runner:sort_batch_req_ids", "dependency",
        "DDTreeVerificationBudget orders its per-request row counts as the runner orders the "
        "batch (checked against the runner's order every step).",

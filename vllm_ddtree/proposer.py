@@ -93,6 +93,10 @@ class DDTreeProposer(DFlashProposer):
             BudgetController(ddtree.budget, figures=self.ddtree_figures)
             if ddtree.auto_budget and self.shadow is None
             else None)
+        if self.controller is not None:
+            from vllm_ddtree.runners import rank_agreement
+
+            self.controller.agree = rank_agreement()  # tensor parallel: rank 0's sizes
         self._max_tokens = max_tokens
         logger.info(
             "DDTree proposer ready in pid %d: node budget B=%s, drafter horizon L=%d",

@@ -23,14 +23,18 @@ class FixedCost(StepCostModel):
         return self.fixed
 
 
-def fixed_cost(worker: Any, slope: float = 0.000005) -> bool:
+def fixed_cost(worker: Any, slope: float = 0.000005,
+               rank_slopes: list[float] | None = None) -> bool:
     """Run in the worker (``collective_rpc``): a fixed step-cost curve, 10 ms + ``slope`` s per
     verified row, and no probe sizes, on the engine's controller (V1's drafter or V2's
     speculator). The default (5 µs) is gentle: some nodes pay and others do not, so ``auto``
     sizes the trees of one step differently instead of always choosing B_max on a tiny target;
-    0 gives every request B_max, a steep slope one-node chains."""
+    0 gives every request B_max, a steep slope one-node chains. ``rank_slopes``: one slope per
+    worker rank instead (ranks whose controllers would choose different sizes)."""
     runner = worker.model_runner
     drafter = getattr(runner, "drafter", None) or runner.speculator
+    if rank_slopes is not None:
+        slope = rank_slopes[worker.rank]
     drafter.controller.cost = FixedCost(0.01, slope)
     drafter.controller.probe_every = 0
     return True

@@ -123,6 +123,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.controller: BudgetController | None = (
             BudgetController(ddtree.budget, figures=self.ddtree_figures)
             if ddtree.auto_budget else None)
+        if self.controller is not None:
+            from vllm_ddtree.runners import rank_agreement
+
+            self.controller.agree = rank_agreement()  # tensor parallel: rank 0's sizes
         #: Auto's step timer: real steps prepared so far, and the last one's verified rows
         #: (0 with a prefill chunk) and requests (:meth:`note_step`).
         self.step_index = 0
