@@ -203,7 +203,9 @@ def test_v2_hybrid_power_check_without_relayout(hybrid_runs):
 @pytest.mark.slow
 def test_v2_preemption_and_tensor_parallel(qwen3_target, dflash_drafter):
     """A KV cache too small for the batch (vLLM preempts and recomputes) and TP = 2 (mp
-    executor, harness in the spawned workers): DDTree on V2 stays equal to target-only."""
+    executor, harness in the spawned workers), with a fixed budget and with ``auto`` (each
+    rank's controller with its own cost, so the ranks would size trees differently and must
+    verify rank 0's sizes; also under preemption): DDTree on V2 stays equal to target-only."""
     t, d = qwen3_target, dflash_drafter
     small = {"block_size": 32, "num_gpu_blocks_override": 12}
     long_greedy = {**GREEDY, "max_tokens": 100}
@@ -212,17 +214,24 @@ def test_v2_preemption_and_tensor_parallel(qwen3_target, dflash_drafter):
     configs = [
         _target("ref-small", t, sampling=long_greedy, **small),
         _ddtree("B16-small", t, d, 16, "ref-small", sampling=long_greedy, **small),
+        _ddtree("auto-small", t, d, "auto", "ref-small", sampling=long_greedy, max_budget=16,
+                fixed_cost=5e-5, record_rows=True, **small),
         _target("ref", t),
         _ddtree("tp2-B16", t, d, 16, "ref", **tp2),
+        _ddtree("tp2-auto", t, d, "auto", "ref", max_budget=16, fixed_cost=[5e-5, 1e-3],
+                record_rows=True, **tp2),
     ]
     out = {c["name"]: c for c in run_v2({"configs": configs}, timeout=2400)["configs"]}
-    ref, got = _ok(out["ref-small"]), _ok(out["B16-small"])
-    assert got["token_ids"] == ref["token_ids"]
-    assert got["spec"]["num_preemptions"] > 0, "the KV cache did not force preemption"
-    tp = out["tp2-B16"]
-    assert tp["error"] is None and len(tp["runners"]) == 2, tp
-    assert tp["token_ids"] == _ok(out["ref"])["token_ids"]
-    assert tp["spec"]["num_accepted_tokens"] > 0
+    for name in ("B16-small", "auto-small"):
+        ref, got = _ok(out["ref-small"]), _ok(out[name])
+        assert got["token_ids"] == ref["token_ids"], name
+        assert got["spec"]["num_preemptions"] > 0, f"{name}: the KV cache did not force preemption"
+    for name in ("tp2-B16", "tp2-auto"):
+        tp = out[name]
+        assert tp["error"] is None and len(tp["runners"]) == 2, tp
+        assert tp["token_ids"] == _ok(out["ref"])["token_ids"], name
+        assert tp["spec"]["num_accepted_tokens"] > 0, name
+    assert any(v < s for v, s in out["tp2-auto"]["rows"]), out["tp2-auto"]["rows"]
 
 
 @pytest.mark.slow

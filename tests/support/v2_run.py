@@ -29,7 +29,8 @@ Spec (all keys but ``configs`` optional)::
         "disable": ["kv_compaction", "recurrent_relayout"],  # power checks: must then differ
         "triton_tree_backend": true,  # the CUDA tree backend registered for CPU_ATTN
         "fixed_cost": 5e-6,      # ddtree_budget="auto": a fixed step cost, 10 ms + this many
-                                 # seconds per row (tests.support.auto_cost), no probes
+                                 # seconds per row (tests.support.auto_cost), no probes; a list:
+                                 # one slope per worker rank
         "record_rows": true}]}   # result "rows": [[rows verified, rows scheduled] per step]
 
 Result::
@@ -307,7 +308,9 @@ def _run_config(i: int, cfg: dict[str, Any], expected_runner: str,
 
             from tests.support.auto_cost import fixed_cost
 
-            llm.collective_rpc(partial(fixed_cost, slope=float(cfg["fixed_cost"])))
+            slopes = cfg["fixed_cost"]
+            llm.collective_rpc(partial(fixed_cost, rank_slopes=slopes) if isinstance(slopes, list)
+                               else partial(fixed_cost, slope=float(slopes)))
         if any(r != expected_runner for r in res["runners"]):
             raise RuntimeError(f"expected model runner {expected_runner}, got {res['runners']}")
         prompts = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in cfg["prompts"]]
