@@ -11,6 +11,7 @@ from vllm_ddtree.config import (
     ADDITIONAL_CONFIG_KEY,
     DDTreeConfig,
     DDTreeConfigError,
+    check_tree_fits_step,
     ddtree_config_from,
     draft_concurrency_cap,
     draft_concurrency_warning,
@@ -377,16 +378,43 @@ def test_auto_budget_with_max(dflash_drafter, max_budget, horizon, slots):
 
 
 def test_auto_default_max_shrinks_to_what_fits(dflash_drafter):
-    # L = 1 over 5 tokens: 5 prefixes; a 20-token step holds a tree of 19 nodes.
+    # L = 1 over 5 tokens: 5 prefixes.
     _, cfg = translate_speculative_config(
         spec(dflash_drafter, ddtree_budget="auto", num_speculative_tokens=1), vocab_size=5)
     assert cfg.budget == 5
-    _, cfg = translate_speculative_config(spec(dflash_drafter, ddtree_budget="auto"),
-                                          max_num_batched_tokens=20)
-    assert cfg.budget == 19
+    # vLLM 0.33: a 48-token step holds a tree of 47 nodes. vLLM 0.32 keeps K slots free per
+    # request for the DFlash drafter, so a whole tree needs 2K + 1 rows: 23 nodes.
+    for version, want in (("0.33.0", 47), ("0.32.0", 23)):
+        _, cfg = translate_speculative_config(spec(dflash_drafter, ddtree_budget="auto"),
+                                              max_num_batched_tokens=48, vllm_version=version)
+        assert cfg.budget == want, version
+        assert check_tree_fits_step(cfg, 48, version) is None
     with pytest.raises(DDTreeConfigError, match=r"ddtree_budget'\]='auto' cannot run"):
         translate_speculative_config(spec(dflash_drafter, ddtree_budget="auto"),
                                      max_num_batched_tokens=1)
+
+
+def test_budgets_that_vllm_032_would_never_verify_are_refused(dflash_drafter):
+    """vLLM 0.32 schedules a request at most max_num_batched_tokens - K tokens (K drafting
+    slots stay free): B = 47 with 48 tokens would never get a draft row (DDTree silently off,
+    found by a tester), B = 32 gets trees cut to 15 nodes (a start-up warning)."""
+    with pytest.raises(DDTreeConfigError, match=r"ddtree_budget'\]=47 cannot run: vLLM 0.32.0 "
+                                                r"keeps .* = 47 token slots free.*at most "
+                                                r"max_num_batched_tokens=48 - 47 = 1 rows.*"
+                                                r"raise max_num_batched_tokens to at least 95"):
+        translate_speculative_config(spec(dflash_drafter, ddtree_budget=47),
+                                     max_num_batched_tokens=48, vllm_version="0.32.0")
+    with pytest.raises(DDTreeConfigError, match=r"ddtree_max_budget'\]=47 cannot run"):
+        translate_speculative_config(spec(dflash_drafter, ddtree_budget="auto",
+                                          ddtree_max_budget=47),
+                                     max_num_batched_tokens=48, vllm_version="0.32.0")
+    _, cfg = translate_speculative_config(spec(dflash_drafter, ddtree_budget=32),
+                                          max_num_batched_tokens=48, vllm_version="0.32.0")
+    warning = check_tree_fits_step(cfg, 48, "0.32.0")
+    assert warning and "trees are cut to 15 nodes" in warning and "ddtree_budget=32" in warning
+    _, cfg = translate_speculative_config(spec(dflash_drafter, ddtree_budget=47),
+                                          max_num_batched_tokens=48, vllm_version="0.33.0")
+    assert check_tree_fits_step(cfg, 48, "0.33.0") is None
 
 
 @pytest.mark.parametrize(

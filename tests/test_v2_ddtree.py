@@ -99,13 +99,13 @@ def test_v2_auto_budget_verifies_only_each_trees_rows(attention_runs):
     assert _deep(got["spec"]), got["spec"]
     f, rows, spec = got["figures"], got["rows"], got["spec"]
     assert 0 < f["auto_nodes"] < 16 * f["auto_trees"], f  # smaller trees than B_max
-    assert rows and all(verified <= scheduled for verified, scheduled in rows), rows
-    assert sum(v for v, _ in rows) < 0.8 * sum(s for _, s in rows), rows  # rows were cut
+    assert rows and all(verified <= scheduled for verified, scheduled, _ in rows), rows
+    assert sum(v for v, _, _ in rows) < 0.8 * sum(s for _, s, _ in rows), rows  # rows were cut
     assert f["auto_observed_accepted"] > 0, f  # the calibration saw the verified trees
     # The scheduler's draft counts are corrected for the rows it booked and V2 did not verify:
     # the draft tokens reported are the tree nodes verified (every verified row but one root
     # per request and step).
-    assert spec["num_draft_tokens"] == sum(v for v, _ in rows) - spec["num_drafts"], (spec, rows)
+    assert spec["num_draft_tokens"] == sum(v - n for v, _, n in rows), (spec, rows)
 
 
 def test_v2_logprobs_equal_target_only(attention_runs):
@@ -128,7 +128,7 @@ def test_v2_seeded_sampling_equals_target_only(attention_runs, name):
     assert got["token_ids"] == ref["token_ids"]
     assert got["spec"]["num_accepted_tokens"] > 0, got["spec"]
     if got["rows"] is not None:
-        assert any(verified < scheduled for verified, scheduled in got["rows"]), got["rows"]
+        assert any(verified < scheduled for verified, scheduled, _ in got["rows"]), got["rows"]
 
 
 def test_v2_step_figures_reach_the_front_end(attention_runs):
@@ -191,7 +191,7 @@ def test_v2_hybrid_equals_target_only(hybrid_runs, model, name):
     assert got["token_ids"] == ref["token_ids"]
     assert got["spec"]["num_accepted_tokens"] > 0, got["spec"]
     if got["rows"] is not None:
-        assert any(verified < scheduled for verified, scheduled in got["rows"]), got["rows"]
+        assert any(verified < scheduled for verified, scheduled, _ in got["rows"]), got["rows"]
 
 
 def test_v2_hybrid_power_check_without_relayout(hybrid_runs):

@@ -154,6 +154,7 @@ def translate_speculative_config(
     *,
     vocab_size: int | None = None,
     max_num_batched_tokens: int | None = None,
+    vllm_version: str | None = None,
 ) -> tuple[dict[str, Any], DDTreeConfig]:
     """Validate a ``{"method": "ddtree", ...}`` dict and turn it into vLLM's ``dflash`` dict.
 
@@ -162,7 +163,10 @@ def translate_speculative_config(
         vocab_size: the target's vocabulary, when known: a budget larger than the number of
             distinct draft prefixes is refused.
         max_num_batched_tokens: the scheduler's token budget per step, when set: a tree of
-            ``B + 1`` rows must fit in one step.
+            ``B + 1`` rows must fit in one step, and a request must be able to get a draft row
+            next to the slots vLLM keeps free for the drafter (:func:`check_tree_fits_step`);
+            the default ``ddtree_max_budget`` of ``"auto"`` is lowered until a whole tree fits.
+        vllm_version: the vLLM whose scheduler runs the engine (default: the installed one).
 
     Returns:
         ``(vllm_spec, ddtree)``: ``vllm_spec`` is the same dict with ``method="dflash"``,
@@ -262,9 +266,13 @@ def translate_speculative_config(
             "length) is not supported with method 'ddtree'; the node budget is "
             "'ddtree_budget'"
         )
+    if vllm_version is None:
+        from vllm_ddtree.integration import installed_vllm_version
+
+        vllm_version = installed_vllm_version()
     if auto:
         budget = _auto_max_budget(max_budget, horizon, max_children, vocab_size,
-                                  max_num_batched_tokens)
+                                  max_num_batched_tokens, vllm_version)
     else:
         _check_fixed_budget("ddtree_budget", budget, horizon, max_children, vocab_size,
                             max_num_batched_tokens)
@@ -278,6 +286,8 @@ def translate_speculative_config(
         hybrid=hybrid,
         auto_budget=auto,
     )
+    if max_num_batched_tokens is not None:
+        check_tree_fits_step(ddtree, max_num_batched_tokens, vllm_version)
     vllm_spec = {k: v for k, v in spec.items() if k not in DDTREE_KEYS}
     vllm_spec["method"] = "dflash"
     vllm_spec["num_speculative_tokens"] = ddtree.num_verify_slots
@@ -303,11 +313,56 @@ def _check_fixed_budget(key: str, budget: int, horizon: int, max_children: int |
         )
 
 
+def drafting_slots(num_verify_slots: int, vllm_version: str) -> int:
+    """Token-budget slots vLLM's scheduler keeps free next to every scheduled request for a
+    DFlash drafter (``SpeculativeConfig.max_num_new_slots_for_drafting``,
+    ``vllm/config/speculative.py``): ``K = num_speculative_tokens`` in vLLM 0.32, 0 from 0.33
+    (the drafter runs its own query pass). A request is scheduled at most
+    ``max_num_batched_tokens - drafting_slots`` tokens (``vllm/v1/core/sched/scheduler.py``)."""
+    return num_verify_slots if _version_tuple(vllm_version) < (0, 33) else 0
+
+
+def check_tree_fits_step(ddtree: DDTreeConfig, max_num_batched_tokens: int,
+                         vllm_version: str) -> str | None:
+    """Whether a whole draft tree fits in one scheduled step next to the drafter's slots.
+
+    Returns:
+        ``None``, or a warning (for the start-up log) when the trees will be cut to fewer
+        nodes than the budget every step because a request cannot be scheduled ``K + 1`` rows.
+
+    Raises:
+        DDTreeConfigError: a request could never be scheduled a draft row, so DDTree would
+            silently never verify a tree (the message names the budget key and
+            ``max_num_batched_tokens``, and what to raise or lower).
+    """
+    k = ddtree.num_verify_slots
+    reserved = drafting_slots(k, vllm_version)
+    rows = max_num_batched_tokens - reserved  # the most one request is scheduled in a step
+    key = "ddtree_max_budget" if ddtree.auto_budget else "ddtree_budget"
+    why = (f"vLLM {vllm_version} keeps num_speculative_tokens = max({key}={ddtree.budget}, "
+           f"L={ddtree.drafter_horizon}) = {k} token slots free per scheduled request for the "
+           f"DFlash drafter, so one request gets at most max_num_batched_tokens="
+           f"{max_num_batched_tokens} - {reserved} = {rows} rows")
+    if rows < 2:
+        raise DDTreeConfigError(
+            f"speculative_config['{key}']={ddtree.budget} cannot run: {why}, too few for a "
+            f"draft row, and no tree would ever be verified; raise max_num_batched_tokens to "
+            f"at least {k + 1 + reserved} or lower {key} and L")
+    if rows < k + 1:
+        return (f"DDTree: {why}, fewer than the {k + 1} a whole tree needs: trees are cut to "
+                f"{rows - 1} nodes; raise max_num_batched_tokens to {k + 1 + reserved} or "
+                f"lower {key}")
+    return None
+
+
 def _auto_max_budget(max_budget: int | None, horizon: int, max_children: int | None,
-                     vocab_size: int | None, max_num_batched_tokens: int | None) -> int:
+                     vocab_size: int | None, max_num_batched_tokens: int | None,
+                     vllm_version: str) -> int:
     """``B_max`` for ``ddtree_budget='auto'``: a given ``ddtree_max_budget`` is checked like a
     fixed budget (errors name it); the default, :data:`DEFAULT_MAX_BUDGET`, is lowered to what
-    the vocabulary can fill and one step can hold, since the user did not ask for that number."""
+    the vocabulary can fill and one step can hold next to the drafter's slots
+    (:func:`drafting_slots`: ``2 B_max + 1`` rows in vLLM 0.32), since the user did not ask for
+    that number."""
     if max_budget is not None:
         _check_fixed_budget("ddtree_max_budget", max_budget, horizon, max_children, vocab_size,
                             max_num_batched_tokens)
@@ -316,7 +371,8 @@ def _auto_max_budget(max_budget: int | None, horizon: int, max_children: int | N
     if vocab_size is not None:
         cap = count_prefixes(vocab_size, horizon, max_children, cap)
     if max_num_batched_tokens is not None:
-        cap = min(cap, max_num_batched_tokens - 1)
+        both = drafting_slots(1, vllm_version)  # 1: the drafter's slots grow with K too
+        cap = min(cap, (max_num_batched_tokens - 1) // (1 + both))
     if cap < 1:
         raise DDTreeConfigError(
             f"speculative_config['ddtree_budget']='auto' cannot run: max_num_batched_tokens="

@@ -58,6 +58,7 @@ from vllm_ddtree.config import (
     DEFAULT_MAX_BUDGET,
     DDTreeConfigError,
     check_drafter_on_v1_runner,
+    check_tree_fits_step,
     draft_concurrency_warning,
     get_ddtree_config,
     translate_speculative_config,
@@ -234,10 +235,13 @@ def _create_engine_config(original: Callable) -> Callable:
             ddtree = get_ddtree_config(config)
             if ddtree is not None:  # the scheduler limits are final only now
                 sched = config.scheduler_config
-                message = draft_concurrency_warning(ddtree, sched.max_num_batched_tokens,
-                                                    sched.max_num_seqs, installed_vllm_version())
-                if message:
-                    logger.warning("%s", message)
+                version = installed_vllm_version()
+                for message in (
+                        check_tree_fits_step(ddtree, sched.max_num_batched_tokens, version),
+                        draft_concurrency_warning(ddtree, sched.max_num_batched_tokens,
+                                                  sched.max_num_seqs, version)):
+                    if message:
+                        logger.warning("%s", message)
             return config
         return original(self, *args, **kwargs)
 
@@ -311,6 +315,7 @@ def _create_speculative_config(original: Callable) -> Callable:
             spec,
             vocab_size=target_model_config.get_vocab_size(),
             max_num_batched_tokens=getattr(self, "max_num_batched_tokens", None),
+            vllm_version=installed_vllm_version(),
         )
         check_target_supported(target_model_config)
         if self.async_scheduling:

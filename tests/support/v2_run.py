@@ -31,7 +31,8 @@ Spec (all keys but ``configs`` optional)::
         "fixed_cost": 5e-6,      # ddtree_budget="auto": a fixed step cost, 10 ms + this many
                                  # seconds per row (tests.support.auto_cost), no probes; a list:
                                  # one slope per worker rank
-        "record_rows": true}]}   # result "rows": [[rows verified, rows scheduled] per step]
+        "record_rows": true}]}   # result "rows": [[rows verified, rows booked, requests]
+                                 # per step with drafts]
 
 Result::
 
@@ -44,8 +45,8 @@ Result::
                            "num_accepted_tokens": int, "accepted_per_pos": [int, ...]},
                   "figures": {name: sum} of the DDTree worker figures (vllm_ddtree.metrics.
                              WORKER_FIGURES) that reached the front end during generate,
-                  "rows": [[logits rows verified, rows V2 scheduled] per verifying step]
-                          (with "record_rows"),
+                  "rows": [[logits rows verified, rows V2 booked, requests] per step with
+                           drafts] (with "record_rows"),
                   "build_s": float, "generate_s": float,
                   "error": null or "<Type>: <message>\\n<traceback tail>"}]}
 
@@ -198,7 +199,7 @@ def _delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 
 
 _FIGURES: dict[str, float] = {}
-#: ``record_rows``: [logits rows verified, rows scheduled] per step with drafts.
+#: ``record_rows``: [logits rows verified, rows booked, requests] per step with drafts.
 _ROWS: list[list[int]] = []
 
 
@@ -259,7 +260,8 @@ def _test_hooks(cfg: dict[str, Any], done: list[dict[str, Any]]) -> list:
         def recording(self, logits, input_batch, *args, **kwargs):
             per_req = input_batch.num_draft_tokens_per_req
             if per_req is not None:  # a step with drafts
-                _ROWS.append([int(logits.shape[0]), input_batch.num_reqs + int(per_req.sum())])
+                _ROWS.append([int(logits.shape[0]), input_batch.num_reqs + int(per_req.sum()),
+                              input_batch.num_reqs])
             return call(self, logits, input_batch, *args, **kwargs)
 
         DDTreeVerifier.__call__ = recording
