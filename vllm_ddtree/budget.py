@@ -654,7 +654,8 @@ class BudgetController:
         #: ``budgets -> budgets`` applied to every allocation, or ``None``. Under tensor
         #: parallelism every rank builds the same trees and must verify the same sizes, but each
         #: rank times its own steps, so the cost models (and the sizes) can differ; the runner
-        #: adapters set this to broadcast rank 0's budgets (:func:`vllm_ddtree.runners.rank_agreement`).
+        #: adapters set this to broadcast rank 0's budgets
+        #: (:func:`vllm_ddtree.runners.rank_agreement`).
         self.agree: Any = None
 
     def allocate(self, req_ids: Sequence[str], path_log_probs: Sequence[torch.Tensor],
