@@ -34,8 +34,9 @@ from vllm_ddtree.attention.cpu import (  # noqa: E402
     DDTreeCPUAttentionImpl,
 )
 from vllm_ddtree.attention.paged import (  # noqa: E402
+    attend_paged_heads,
     gather_paged_kv,
-    gather_paged_kv_heads,
+    paged_head_rows,
     tree_attention_reference,
 )
 
@@ -246,22 +247,59 @@ def test_gather_paged_kv_reads_what_the_writer_wrote(isa, head_size, block_size,
     part_k, part_v = gather_paged_kv(key_cache, value_cache, block_row, block_size + 3, isa)
     assert torch.equal(part_k, keys[:block_size + 3]) and torch.equal(part_v,
                                                                       values[:block_size + 3])
-    # the batched, head-major form: two requests, the second with the blocks in reverse order
-    table = torch.stack([block_row[:4], block_row[:4].flip(0)])
-    heads_k, heads_v = gather_paged_kv_heads(kv, table, isa)
-    assert heads_k.shape == (2, num_kv_heads, 4 * block_size, head_size)
-    assert torch.equal(heads_k[0, :, :num_tokens], keys.transpose(0, 1))
-    assert torch.equal(heads_v[0, :, :num_tokens], values.transpose(0, 1))
-    for j in (1, 2, 3):  # request 1's block j is request 0's block 3 - j (full blocks only)
-        src = slice((3 - j) * block_size, (4 - j) * block_size)
-        dst = slice(j * block_size, (j + 1) * block_size)
-        assert torch.equal(heads_k[1, :, dst], keys[src].transpose(0, 1))
-        assert torch.equal(heads_v[1, :, dst], values[src].transpose(0, 1))
     empty_k, empty_v = gather_paged_kv(key_cache, value_cache, block_row, 0, isa)
     assert empty_k.shape == (0, num_kv_heads, head_size) and empty_v.shape == empty_k.shape
     # the reader must not have touched the cache
     assert torch.equal(kv.view(num_blocks, num_kv_heads, 2 * block_size, head_size).chunk(
         2, dim=2)[0], key_cache)
+
+
+@pytest.mark.parametrize("isa,head_size,block_size,dtype",
+                         [c for c in GATHER_CASES if c[0] != "amx" and c[3] == torch.float32])
+def test_attend_paged_heads_equals_dense_attention_over_what_the_writer_wrote(
+        isa, head_size, block_size, dtype):
+    """Two requests whose blocks lie shuffled in the cache (the second's partly shared with the
+    first and in reverse order), grouped-query heads, a random visibility mask per row: the
+    result equals dense float32 attention over the keys and values written by vLLM's writer."""
+    torch.manual_seed(2)
+    num_kv_heads, group, rows, num_blocks, m = 2, 3, 5, 9, 3
+    kv, key_cache, value_cache = make_kv_cache(num_blocks, num_kv_heads, block_size, head_size,
+                                               dtype)
+    table = torch.tensor([[6, 1, 4], [4, 8, 2]], dtype=torch.int32)
+    seq = m * block_size
+    keys = torch.randn(2, seq, num_kv_heads, head_size).to(dtype)
+    values = torch.randn(2, seq, num_kv_heads, head_size).to(dtype)
+    try:  # request 1 owns blocks 8 and 2; its block 0 is request 0's last block (shared)
+        ops.cpu_attn_reshape_and_cache(keys[0], values[0], key_cache, value_cache,
+                                       slots_for(table[0], range(seq), block_size), isa)
+        own = torch.arange(block_size, seq)
+        ops.cpu_attn_reshape_and_cache(keys[1, own], values[1, own], key_cache, value_cache,
+                                       slots_for(table[1], own, block_size), isa)
+    except RuntimeError as exc:
+        pytest.skip(f"cpu_attn_reshape_and_cache({isa!r}) unavailable: {exc}")
+    keys[1, :block_size] = keys[0, 2 * block_size:]
+    values[1, :block_size] = values[0, 2 * block_size:]
+    visible = torch.rand(2, rows, seq) < 0.5
+    visible[:, :, 0] = True  # every row sees a key
+    bias = torch.zeros(2, rows, seq).masked_fill(~visible, float("-inf"))
+    query = torch.randn(2, num_kv_heads, group, rows, head_size)
+    scale = head_size ** -0.5
+    key_rows, value_rows = paged_head_rows(table, num_kv_heads)
+    got = attend_paged_heads(query, kv, key_rows, value_rows, bias, scale, isa)
+    assert got.shape == (2, num_kv_heads, group, rows, head_size) and got.dtype == dtype
+    k = keys.permute(0, 2, 1, 3)[:, :, None]  # [2, Hkv, 1, S, D]
+    v = values.permute(0, 2, 1, 3)[:, :, None]
+    scores = (query @ k.transpose(-1, -2)) * scale + bias[:, None, None]
+    want = torch.softmax(scores, -1) @ v
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a wrong block anywhere moves the result far beyond that tolerance
+    moved = attend_paged_heads(query, kv, *paged_head_rows(table.flip(1), num_kv_heads), bias,
+                               scale, isa)
+    assert (moved - want).abs().max() > 1e-2
+    with pytest.raises(NotImplementedError, match="amx"):
+        attend_paged_heads(query, kv, key_rows, value_rows, bias, scale, "amx")
+    with pytest.raises(ValueError, match="do not fit"):
+        attend_paged_heads(query, kv, key_rows, value_rows, bias[:, :, :-1], scale, isa)
 
 
 def test_gather_paged_kv_refuses_unverified_layouts():

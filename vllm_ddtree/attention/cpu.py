@@ -13,9 +13,9 @@ verification forward:
   causal result got wrong (rows with a sibling branch among their predecessors) under the
   ancestor-only mask of the DDTree paper (§3). How depends on the cache dtype:
 
-  - **float32**: one batched ``torch.nn.functional.scaled_dot_product_attention`` call per layer
-    for all such rows of all requests, over each request's keys/values read back from the paged
-    cache once (:func:`~vllm_ddtree.attention.paged.gather_paged_kv_heads`). In float32 no
+  - **float32**: one batched attention per layer for all such rows of all requests, over each
+    request's cache blocks read once in the writer's layout
+    (:func:`~vllm_ddtree.attention.paged.attend_paged_heads`). In float32 no
     method rounds a tree row bit-identically to a decode row (vLLM's kernel itself does not: its
     result moves in the last bits with the call's shape), and reading the context once per
     request instead of once per chain is what makes large trees affordable.
@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.v1.attention.backend import AttentionLayer, AttentionType
@@ -49,7 +49,7 @@ from vllm_ddtree.attention.common import (
     TreeAttentionRequest,
     active_tree_batch,
 )
-from vllm_ddtree.attention.paged import gather_paged_kv, gather_paged_kv_heads
+from vllm_ddtree.attention.paged import attend_paged_heads, gather_paged_kv, paged_head_rows
 
 __all__ = ["DDTreeCPUAttentionBackend", "DDTreeCPUAttentionImpl", "off_spine_rows", "tree_chains"]
 
@@ -75,14 +75,15 @@ def off_spine_rows(ancestor_mask: torch.Tensor) -> torch.Tensor:
             row).
     """
     _, need = _padded_off_spine([ancestor_mask])
-    return need[0].nonzero().flatten()
+    return torch.from_numpy(need[0].nonzero()[0]).to(torch.long)
 
 
-def _padded_off_spine(masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`off_spine_rows` for several trees at once, padded to the largest.
+def _padded_off_spine(masks: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`off_spine_rows` for several trees at once, padded to the largest (numpy: the
+    arrays are small and a step builds them once, where torch's per-op cost dominated).
 
     Returns:
-        ``(A, need)``: ``A`` ``[R, n, n]`` bool the masks (CPU, zero-padded), ``need`` ``[R, n]``
+        ``(A, need)``: ``A`` ``[R, n, n]`` bool the masks (zero-padded), ``need`` ``[R, n]``
         bool the off-spine rows (false on padding).
 
     Raises:
@@ -94,14 +95,15 @@ def _padded_off_spine(masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Te
             raise ValueError(f"ancestor_mask must be [n, n] with n >= 1, got {tuple(mask.shape)}")
         sizes.append(mask.shape[0])
     n = max(sizes)
-    a = torch.zeros(len(masks), n, n, dtype=torch.bool)
+    a = np.zeros((len(masks), n, n), dtype=bool)
     for t, mask in enumerate(masks):
-        a[t, : sizes[t], : sizes[t]] = mask.to("cpu", torch.bool)
-    real = torch.arange(n) < torch.tensor(sizes)[:, None]  # [R, n]
-    if not torch.equal(a.diagonal(dim1=1, dim2=2), real) or bool(a.triu(1).any()):
+        a[t, : sizes[t], : sizes[t]] = mask.to("cpu", torch.bool).numpy()
+    real = np.arange(n) < np.asarray(sizes)[:, None]  # [R, n]
+    if (not np.array_equal(a.diagonal(axis1=1, axis2=2), real)
+            or np.triu(a, 1).any()):
         raise ValueError("ancestor_mask is not an ancestor-or-self mask in topological order "
                          "(every row must see itself and only earlier rows)")
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    causal = np.tri(n, dtype=bool)
     return a, (a != causal).any(2) & real
 
 
@@ -109,23 +111,25 @@ def _padded_off_spine(masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Te
 class _TreeRowPlan:
     """A step's tree-row recomputation for one attention-metadata object (all layers share it).
 
-    ``R`` requests with off-spine rows, at most ``k`` such rows each, ``g = num_heads //
-    num_kv_heads`` query heads per KV head, ``S = m * block_size`` keys read per request.
+    ``R`` requests with off-spine rows, at most ``k`` such rows each, ``m`` cache blocks read
+    per request (``S = m * block_size`` keys).
 
-    ``block_table``: ``[R, m]`` blocks to read (vLLM's block-table rows; entries past a
-    request's own blocks are masked out).
-    ``query_index``: ``[R * k]`` long flat query rows, request-major (padding repeats the
-    request's first off-spine row). ``mask``: ``[R, 1, g * k, S]`` bool, the ancestor-only mask
-    in SDPA's layout (context keys, then ancestor-or-self tree keys; head-group major rows).
-    ``result_index``: ``[q]`` long positions of the real rows among the ``R * k``;
-    ``rows``: ``[q]`` long their flat output rows.
+    ``key_rows`` / ``value_rows``: ``[R * num_kv_heads * m]`` long, the blocks to read
+    (:func:`~vllm_ddtree.attention.paged.paged_head_rows` of vLLM's block-table rows; entries
+    past a request's own blocks are masked out). ``query_index``: ``[R * k]`` long flat query
+    rows, request-major (padding repeats the request's first off-spine row). ``bias``: ``[R, k,
+    S]`` float32, the ancestor-only mask as ``0`` / ``-inf`` (context keys, then the
+    ancestor-or-self tree keys). ``result_index``: ``[q]`` long positions of the real rows among
+    the ``R * k``; ``rows``: ``[q]`` long their flat output rows.
     """
 
-    block_table: torch.Tensor
+    key_rows: torch.Tensor
+    value_rows: torch.Tensor
     query_index: torch.Tensor
-    mask: torch.Tensor
+    bias: torch.Tensor
     result_index: torch.Tensor
     rows: torch.Tensor
+    num_requests: int
     max_rows: int
 
 
@@ -389,18 +393,19 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
 
         A row whose ancestor-or-self set is ``{0 … i}`` (the root and a spine prefix) already got
         the right result from vLLM's causal kernel and keeps its bits. All other rows of all
-        tree requests are recomputed in **one** ``scaled_dot_product_attention`` call: each
-        request's committed context and tree K/V are read back from the paged cache once (this
-        step's K/V are already there, written by :meth:`do_kv_cache_update`, so a layer sharing
-        another layer's cache needs nothing else) and every off-spine row attends to the context
-        and its ancestor-or-self nodes under a boolean mask; grouped-query heads are folded into
-        the query rows so each KV head is read once.
+        tree requests are recomputed in **one** batched attention
+        (:func:`~vllm_ddtree.attention.paged.attend_paged_heads`): each request's cache blocks
+        (committed context and this step's tree K/V, already written by
+        :meth:`do_kv_cache_update`, so a layer sharing another layer's cache needs nothing else)
+        are read once, keys in the writer's transposed layout, and every off-spine row attends to
+        the context and its ancestor-or-self nodes under an additive ``0`` / ``-inf`` mask; the
+        query heads of one KV head share its keys.
 
-        The plan (block table, query rows, mask) depends only on the trees and this step's
+        The plan (blocks, query rows, mask) depends only on the trees and this step's
         attention metadata, so it is built once per forward and cached in
         ``batch.backend_cache`` for every layer with the same metadata object and heads.
 
-        Rounding: torch's CPU attention, not vLLM's kernel, rounds these rows (~1e-7 relative
+        Rounding: torch's matrix products, not vLLM's kernel, round these rows (~1e-7 relative
         apart); vLLM's kernel itself moves a row by as much with the call's shape (query length,
         the other requests of the call, split-KV scheduling). The ancestor mask is exact.
         Reading the context once per request instead of once per root→leaf chain (vLLM's kernel
@@ -414,16 +419,13 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
             return
         out = output.view(output.shape[0], self.num_heads, -1) if output.dim() == 2 else output
         num_kv_heads = kv_cache.shape[1]
-        keys, values = gather_paged_kv_heads(kv_cache, plan.block_table, isa)
-        r, k = plan.block_table.shape[0], plan.max_rows
+        r, k = plan.num_requests, plan.max_rows
         g = self.num_heads // num_kv_heads
         q = (query.index_select(0, plan.query_index)
-             .view(r, k, num_kv_heads, g, -1).permute(0, 2, 3, 1, 4).reshape(r, num_kv_heads,
-                                                                             g * k, -1))
-        res = F.scaled_dot_product_attention(
-            q.to(keys.dtype), keys, values, attn_mask=plan.mask, scale=self.scale)
-        res = res.view(r, num_kv_heads, g, k, -1).permute(0, 3, 1, 2, 4).reshape(
-            r * k, self.num_heads, -1)
+             .view(r, k, num_kv_heads, g, -1).permute(0, 2, 3, 1, 4))  # [r, Hkv, g, k, D]
+        res = attend_paged_heads(q, kv_cache, plan.key_rows, plan.value_rows, plan.bias,
+                                 self.scale, isa)
+        res = res.permute(0, 3, 1, 2, 4).reshape(r * k, self.num_heads, -1)
         out.index_copy_(0, plan.rows, res.index_select(0, plan.result_index).to(out.dtype))
 
     def _tree_row_plan(self, batch: TreeAttentionBatch, attn_metadata: CPUAttentionMetadata,
@@ -451,36 +453,37 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
                 )
         a, need = _padded_off_spine([req.ancestor_mask for req in batch.requests])
         count = need.sum(1)
-        todo = count.nonzero().flatten()
-        if todo.numel() == 0:
+        todo = count.nonzero()[0]
+        if todo.size == 0:
             return None
         a, need, count = a[todo], need[todo], count[todo]
         reqs = [batch.requests[t] for t in todo.tolist()]
         r, n = a.shape[:2]
         k = int(count.max())
-        ctx = torch.tensor([req.context_len for req in reqs])
-        size = torch.tensor([req.num_rows for req in reqs])
+        ctx = np.array([req.context_len for req in reqs])
+        size = np.array([req.num_rows for req in reqs])
         m = int(((ctx + size + block_size - 1) // block_size).max())
         # Each request's off-spine rows first, in order; padding repeats its first one.
-        order = torch.sort((~need).to(torch.int8), dim=1, stable=True).indices[:, :k]
-        valid = torch.arange(k) < count[:, None]  # [r, k]
-        node = torch.where(valid, order, order[:, :1])
-        rel = torch.arange(m * block_size) - ctx[:, None]  # key position relative to the root
-        in_tree = (rel >= 0) & (rel < size[:, None])
-        tree_rows = a.gather(1, node[:, :, None].expand(r, k, n))  # [r, k, n]
-        mask = tree_rows.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(r, k, -1))
-        mask = (mask & in_tree[:, None, :]) | (rel < 0)[:, None, :]  # [r, k, S]
-        # Head-group-major rows, as the query is folded: row gi * k + i is head group gi, row i.
-        g = self.num_heads // self.num_kv_heads
-        mask = mask.unsqueeze(1).expand(r, g, k, -1).reshape(r, 1, g * k, -1)
-        query_index = torch.tensor([req.query_start for req in reqs])[:, None] + node
-        batch_index = torch.tensor([req.batch_index for req in reqs])
+        order = np.argsort(~need, axis=1, kind="stable")[:, :k]
+        valid = np.arange(k) < count[:, None]  # [r, k]
+        node = np.where(valid, order, order[:, :1])
+        rel = np.arange(m * block_size) - ctx[:, None]  # key position relative to the root
+        tree_rows = a[np.arange(r)[:, None], node]  # [r, k, n]
+        mask = np.take_along_axis(tree_rows, np.clip(rel, 0, n - 1)[:, None, :].repeat(k, 1), 2)
+        mask &= ((rel >= 0) & (rel < size[:, None]))[:, None, :]
+        mask |= (rel < 0)[:, None, :]  # [r, k, S]
+        bias = np.where(mask, np.float32(0), np.float32(-np.inf))
+        query_index = np.array([req.query_start for req in reqs])[:, None] + node
+        batch_index = torch.from_numpy(np.array([req.batch_index for req in reqs]))
         table = attn_metadata.block_table.to("cpu")[batch_index, :m]  # past a request: masked
-        result_index = (torch.arange(r)[:, None] * k + torch.arange(k))[valid]
+        key_rows, value_rows = paged_head_rows(table, self.num_kv_heads)
+        result_index = (np.arange(r)[:, None] * k + np.arange(k))[valid]
         return _TreeRowPlan(
-            block_table=table.to(device), query_index=query_index.flatten().to(device),
-            mask=mask.to(device), result_index=result_index.to(device),
-            rows=query_index[valid].to(device), max_rows=k,
+            key_rows=key_rows.to(device), value_rows=value_rows.to(device),
+            query_index=torch.from_numpy(query_index.reshape(-1)).to(device),
+            bias=torch.from_numpy(bias).to(device),
+            result_index=torch.from_numpy(result_index).to(device),
+            rows=torch.from_numpy(query_index[valid]).to(device), num_requests=r, max_rows=k,
         )
 
     def _overwrite_tree_rows(

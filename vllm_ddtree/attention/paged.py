@@ -1,6 +1,6 @@
 """Pure-torch tree attention over vLLM's CPU paged KV cache.
 
-Two pieces, both free of vLLM imports so they also serve as test oracles:
+Free of vLLM imports, so the readers also serve as test oracles:
 
 * :func:`tree_attention_reference` -- the ancestor-only attention of the DDTree paper (§3,
   "tree attention": a node sees the committed prefix, its ancestors and itself), computed
@@ -12,8 +12,9 @@ Two pieces, both free of vLLM imports so they also serve as test oracles:
   ``vllm/v1/attention/backends/cpu_attn.py``). The block-interior layout depends on the ISA
   string the CPU backend picked (``layer.isa``); only the layouts verified against that writer are
   read (see :data:`VERIFIED_ISAS`), anything else raises ``NotImplementedError``.
-  :func:`gather_paged_kv_heads` reads the same layouts for several requests at once, head-major
-  (the CPU backend's float32 tree rows attend over it).
+* :func:`attend_paged_heads` -- attention of several requests' rows over whole cache blocks in
+  the ``vec`` / ``vec16`` layouts, the keys read in the writer's transposed layout (the CPU
+  backend's float32 tree rows use it).
 
 Layouts (per block ``b`` and KV head ``h``; the cache tensor is ``[num_blocks, num_kv_heads,
 block_size, 2 * head_size]``, viewed ``[nb, Hkv, 2 * bs, D]`` and split in halves, so the key part
@@ -190,47 +191,97 @@ def gather_paged_kv(
     return keys.contiguous(), values.contiguous()
 
 
-def gather_paged_kv_heads(
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    isa: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read whole blocks of several requests out of the CPU paged cache, head-major.
+def paged_head_rows(block_table: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each request's keys and values sit in the CPU cache, for :func:`attend_paged_heads`.
 
-    The batched form of :func:`gather_paged_kv` (same layouts, see the module docstring), laid out
-    the way ``torch.nn.functional.scaled_dot_product_attention`` takes keys: token ``p`` of
-    request ``r`` is ``[r, :, p]``, read from block ``block_table[r, p // bs]`` at offset
-    ``p % bs``. No Python loop: one gather of the blocks (keys and values together), then one
-    unpacking copy per tensor.
+    The cache tensor ``[num_blocks, Hkv, bs, 2 * D]`` viewed as ``[num_blocks * Hkv * 2, bs * D]``
+    has one row per ``(block, head, half)``: row ``2 * (b * Hkv + h)`` holds block ``b``'s keys of
+    head ``h``, the next row its values (see the module docstring).
 
     Args:
-        kv_cache: ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, the CPU backend's
-            cache tensor (each ``(block, head)`` holds its keys' ``bs * D`` elements, then its
-            values').
-        block_table: ``[R, m]`` integer block ids (any id for padding: its tokens are read too).
+        block_table: ``[R, m]`` integer block ids (any valid id for padding).
+        num_kv_heads: ``Hkv``.
+
+    Returns:
+        ``(key_rows, value_rows)``: each ``[R * Hkv * m]`` int64 (on ``block_table``'s device),
+        ordered request, head, block.
+    """
+    table = block_table.to(torch.long)
+    heads = torch.arange(num_kv_heads, device=table.device)
+    key_rows = (2 * (table[:, None, :] * num_kv_heads + heads[None, :, None])).flatten()
+    return key_rows, key_rows + 1
+
+
+def attend_paged_heads(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    key_rows: torch.Tensor,
+    value_rows: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    isa: str,
+) -> torch.Tensor:
+    """Attention of several requests' query rows over whole blocks of the CPU paged cache.
+
+    Each request's blocks are read once (two ``index_select`` of the cache's key rows and value
+    rows, no further copy of the keys or values): the scores are taken against the keys in the
+    writer's transposed block layout (``[D, bs]`` per block and head, the ``vec`` / ``vec16``
+    layout of vLLM's ``cpu_attn_reshape_and_cache``), the values are read token-major as they
+    lie. Grouped-query heads share their KV head's keys (vLLM's convention: query head
+    ``h * g + j`` uses KV head ``h``). Computed in the cache dtype; the plugin calls it for
+    float32 caches.
+
+    Args:
+        query: ``[R, Hkv, g, k, D]``: ``k`` query rows of request ``r`` for each of the ``g``
+            query heads of KV head ``h``.
+        kv_cache: ``[num_blocks, Hkv, bs, 2 * D]``, contiguous, as the CPU backend allocates it.
+        key_rows, value_rows: ``[R * Hkv * m]`` int64 from :func:`paged_head_rows` (``m``
+            blocks per request; token ``p`` of request ``r`` is in its block ``p // bs``).
+        bias: ``[R, k, m * bs]`` float, added to the scaled scores of every head: ``0`` where
+            row ``i`` sees token ``p``, ``-inf`` where it does not. Every row must see at least
+            one token.
+        scale: softmax scale (usually ``head_size ** -0.5``).
         isa: the ISA string the backend wrote with (``layer.isa``).
 
     Returns:
-        ``(keys, values)``, each ``[R, num_kv_heads, m * block_size, head_size]`` in the cache
-        dtype, contiguous.
+        ``[R, Hkv, g, k, D]`` in the cache dtype.
 
     Raises:
-        NotImplementedError: an ISA / dtype / shape whose layout was not verified (includes fp8).
-        ValueError: bad shapes.
+        NotImplementedError: a layout other than ``vec`` / ``vec16`` (``amx`` stores keys in
+            tiles), or an unverified one.
+        ValueError: inconsistent shapes or a non-contiguous cache.
     """
-    if kv_cache.dim() != 4 or kv_cache.shape[3] % 2 or block_table.dim() != 2:
+    if kv_cache.dim() != 4 or kv_cache.shape[3] % 2 or query.dim() != 5:
         raise ValueError(
             f"kv_cache {tuple(kv_cache.shape)} must be [num_blocks, num_kv_heads, block_size, "
-            f"2 * head_size] and block_table [R, m]; got block_table {tuple(block_table.shape)}"
+            f"2 * head_size] and query [R, Hkv, g, k, D]; got query {tuple(query.shape)}"
         )
-    _, num_kv_heads, block_size, two_d = kv_cache.shape
+    num_blocks, num_kv_heads, block_size, two_d = kv_cache.shape
     head_size = two_d // 2
     _check_layout_supported(isa, kv_cache.dtype, block_size, head_size)
-    r, m = block_table.shape
-    # index_select of the contiguous cache tensor: the fast gather (a strided half is ~5x slower).
-    raw = kv_cache.index_select(0, block_table.to(kv_cache.device, torch.long).flatten())
-    raw = raw.view(r, m, num_kv_heads, 2 * block_size, head_size)
-    return _blocks_head_major(raw[:, :, :, :block_size], raw[:, :, :, block_size:], isa)
+    if isa not in ("vec", "vec16"):
+        raise NotImplementedError(f"attend_paged_heads reads the vec / vec16 layouts, not {isa!r}")
+    r, hkv, g, k, d = query.shape
+    per_req = key_rows.numel() // max(r * hkv, 1)
+    if (hkv != num_kv_heads or d != head_size or not kv_cache.is_contiguous()
+            or key_rows.numel() != r * hkv * per_req or value_rows.shape != key_rows.shape
+            or tuple(bias.shape) != (r, k, per_req * block_size)):
+        raise ValueError(
+            f"query {tuple(query.shape)}, kv_cache {tuple(kv_cache.shape)} (contiguous: "
+            f"{kv_cache.is_contiguous()}), key_rows {tuple(key_rows.shape)}, value_rows "
+            f"{tuple(value_rows.shape)} and bias {tuple(bias.shape)} do not fit together"
+        )
+    m, seq = per_req, per_req * block_size
+    rows = kv_cache.view(num_blocks * num_kv_heads * 2, block_size * head_size)
+    keys_t = rows.index_select(0, key_rows).view(r, hkv, m, head_size, block_size)
+    values = rows.index_select(0, value_rows).view(r, hkv, seq, head_size)
+    q = (query.to(kv_cache.dtype) * scale).reshape(r, hkv, 1, g * k, head_size)
+    # [R, Hkv, m, g*k, bs]: one product per block against its transposed keys
+    scores = torch.matmul(q, keys_t)
+    scores = scores.permute(0, 1, 3, 2, 4).reshape(r, hkv, g, k, seq)
+    scores.add_(bias.to(scores.dtype)[:, None, None])
+    probs = torch.softmax(scores, dim=-1).view(r, hkv, g * k, seq)
+    return torch.matmul(probs, values).view(r, hkv, g, k, head_size)
 
 
 def _blocks_head_major(k_raw: torch.Tensor, v_raw: torch.Tensor,
