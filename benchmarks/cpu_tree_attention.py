@@ -47,15 +47,26 @@ def parse_args(argv=None):
 
 
 def load_old(rev):
-    src = subprocess.run(["git", "show", f"{rev}:vllm_ddtree/attention/cpu.py"], cwd=ROOT,
-                         check=True, capture_output=True, text=True).stdout
-    path = Path("/tmp") / f"ddtree_cpu_attn_{rev}.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(f"ddtree_cpu_attn_{rev}", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
+    """``vllm_ddtree/attention/cpu.py`` at ``rev`` as a module, with that revision's
+    ``attention/paged.py`` (the helpers it imports may since have changed)."""
+    def show(path):
+        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout
+
+    def load(name, src):
+        path = Path("/tmp") / f"{name}.py"
+        path.write_text(src)
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+        spec.loader.exec_module(mod)
+        return mod
+
+    tag = "".join(c if c.isalnum() else "_" for c in rev)  # a module name
+    paged = load(f"ddtree_paged_{tag}", show("vllm_ddtree/attention/paged.py"))
+    src = show("vllm_ddtree/attention/cpu.py").replace(
+        "from vllm_ddtree.attention.paged import", f"from {paged.__name__} import")
+    return load(f"ddtree_cpu_attn_{tag}", src)
 
 
 def main(argv=None):
