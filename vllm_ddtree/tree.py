@@ -33,6 +33,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -102,18 +103,19 @@ class DraftTree:
 def _ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     """Ancestor-or-self relation ``[n+1, n+1]`` bool from ``parents`` (``parents[0] == -1``).
 
-    Vectorised over nodes: one pass per depth level instead of one per node.
+    Vectorised over nodes: one pass per depth level instead of one per node, in numpy (a step
+    builds a tree per request, and torch's per-op cost was most of this function's time).
     """
-    size = parents.shape[0]
-    mask = torch.zeros(size, size, dtype=torch.bool)
-    rows = torch.arange(size)
-    step = parents.clone()
-    step[0] = 0  # the root is its own "parent" so the pointer chase saturates there
+    par = parents.numpy().copy()
+    size = par.shape[0]
+    mask = np.zeros((size, size), dtype=bool)
+    rows = np.arange(size)
+    par[0] = 0  # the root is its own "parent" so the pointer chase saturates there
     cur = rows
     for _ in range(max_depth + 1):
         mask[rows, cur] = True
-        cur = step[cur]
-    return mask
+        cur = par[cur]
+    return torch.from_numpy(mask)
 
 
 def _make_tree(
