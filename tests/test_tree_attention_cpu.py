@@ -259,10 +259,10 @@ def test_gather_paged_kv_reads_what_the_writer_wrote(isa, head_size, block_size,
 def test_attend_paged_heads_equals_dense_attention_over_what_the_writer_wrote(
         isa, head_size, block_size, dtype):
     """Two requests whose blocks lie shuffled in the cache (the second's partly shared with the
-    first and in reverse order), grouped-query heads, a random visibility mask per row: the
-    result equals dense float32 attention over the keys and values written by vLLM's writer."""
+    first), two KV heads, a random visibility mask per row: the result equals dense float32
+    attention over the keys and values written by vLLM's writer."""
     torch.manual_seed(2)
-    num_kv_heads, group, rows, num_blocks, m = 2, 3, 5, 9, 3
+    num_kv_heads, rows, num_blocks, m = 2, 5, 9, 3
     kv, key_cache, value_cache = make_kv_cache(num_blocks, num_kv_heads, block_size, head_size,
                                                dtype)
     table = torch.tensor([[6, 1, 4], [4, 8, 2]], dtype=torch.int32)
@@ -279,17 +279,17 @@ def test_attend_paged_heads_equals_dense_attention_over_what_the_writer_wrote(
         pytest.skip(f"cpu_attn_reshape_and_cache({isa!r}) unavailable: {exc}")
     keys[1, :block_size] = keys[0, 2 * block_size:]
     values[1, :block_size] = values[0, 2 * block_size:]
-    visible = torch.rand(2, rows, seq) < 0.5
-    visible[:, :, 0] = True  # every row sees a key
-    bias = torch.zeros(2, rows, seq).masked_fill(~visible, float("-inf"))
-    query = torch.randn(2, num_kv_heads, group, rows, head_size)
+    visible = torch.rand(2, 1, rows, seq) < 0.5
+    visible[..., 0] = True  # every row sees a key
+    bias = torch.zeros(2, 1, rows, seq).masked_fill(~visible, float("-inf"))
+    query = torch.randn(2, num_kv_heads, rows, head_size)
     scale = head_size ** -0.5
     key_rows, value_rows = paged_head_rows(table, num_kv_heads)
     got = attend_paged_heads(query, kv, key_rows, value_rows, bias, scale, isa)
-    assert got.shape == (2, num_kv_heads, group, rows, head_size) and got.dtype == dtype
-    k = keys.permute(0, 2, 1, 3)[:, :, None]  # [2, Hkv, 1, S, D]
-    v = values.permute(0, 2, 1, 3)[:, :, None]
-    scores = (query @ k.transpose(-1, -2)) * scale + bias[:, None, None]
+    assert got.shape == (2, num_kv_heads, rows, head_size) and got.dtype == dtype
+    k = keys.permute(0, 2, 1, 3)  # [2, Hkv, S, D]
+    v = values.permute(0, 2, 1, 3)
+    scores = (query @ k.transpose(-1, -2)) * scale + bias
     want = torch.softmax(scores, -1) @ v
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # a wrong block anywhere moves the result far beyond that tolerance
@@ -299,7 +299,7 @@ def test_attend_paged_heads_equals_dense_attention_over_what_the_writer_wrote(
     with pytest.raises(NotImplementedError, match="amx"):
         attend_paged_heads(query, kv, key_rows, value_rows, bias, scale, "amx")
     with pytest.raises(ValueError, match="do not fit"):
-        attend_paged_heads(query, kv, key_rows, value_rows, bias[:, :, :-1], scale, isa)
+        attend_paged_heads(query, kv, key_rows, value_rows, bias[..., :-1], scale, isa)
 
 
 def test_gather_paged_kv_refuses_unverified_layouts():

@@ -117,8 +117,9 @@ class _TreeRowPlan:
     ``key_rows`` / ``value_rows``: ``[R * num_kv_heads * m]`` long, the blocks to read
     (:func:`~vllm_ddtree.attention.paged.paged_head_rows` of vLLM's block-table rows; entries
     past a request's own blocks are masked out). ``query_index``: ``[R * k]`` long flat query
-    rows, request-major (padding repeats the request's first off-spine row). ``bias``: ``[R, k,
-    S]`` float32, the ancestor-only mask as ``0`` / ``-inf`` (context keys, then the
+    rows, request-major (padding repeats the request's first off-spine row). ``bias``: ``[R, 1,
+    g * k, S]`` float32 (``g = num_heads // num_kv_heads``, head-group-major rows as the query
+    is folded), the ancestor-only mask as ``0`` / ``-inf`` (context keys, then the
     ancestor-or-self tree keys). ``result_index``: ``[q]`` long positions of the real rows among
     the ``R * k``; ``rows``: ``[q]`` long their flat output rows.
     """
@@ -397,15 +398,15 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         (:func:`~vllm_ddtree.attention.paged.attend_paged_heads`): each request's cache blocks
         (committed context and this step's tree K/V, already written by
         :meth:`do_kv_cache_update`, so a layer sharing another layer's cache needs nothing else)
-        are read once, keys in the writer's transposed layout, and every off-spine row attends to
-        the context and its ancestor-or-self nodes under an additive ``0`` / ``-inf`` mask; the
-        query heads of one KV head share its keys.
+        are read once, and every off-spine row attends to the context and its ancestor-or-self
+        nodes under an additive ``0`` / ``-inf`` mask; the query heads of one KV head are folded
+        into its rows so each KV head is read once.
 
         The plan (blocks, query rows, mask) depends only on the trees and this step's
         attention metadata, so it is built once per forward and cached in
         ``batch.backend_cache`` for every layer with the same metadata object and heads.
 
-        Rounding: torch's matrix products, not vLLM's kernel, round these rows (~1e-7 relative
+        Rounding: torch's CPU attention, not vLLM's kernel, rounds these rows (~1e-7 relative
         apart); vLLM's kernel itself moves a row by as much with the call's shape (query length,
         the other requests of the call, split-KV scheduling). The ancestor mask is exact.
         Reading the context once per request instead of once per root→leaf chain (vLLM's kernel
@@ -422,10 +423,12 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         r, k = plan.num_requests, plan.max_rows
         g = self.num_heads // num_kv_heads
         q = (query.index_select(0, plan.query_index)
-             .view(r, k, num_kv_heads, g, -1).permute(0, 2, 3, 1, 4))  # [r, Hkv, g, k, D]
+             .view(r, k, num_kv_heads, g, -1).permute(0, 2, 3, 1, 4)
+             .reshape(r, num_kv_heads, g * k, -1))  # head-group-major rows: gi * k + i
         res = attend_paged_heads(q, kv_cache, plan.key_rows, plan.value_rows, plan.bias,
                                  self.scale, isa)
-        res = res.permute(0, 3, 1, 2, 4).reshape(r * k, self.num_heads, -1)
+        res = res.view(r, num_kv_heads, g, k, -1).permute(0, 3, 1, 2, 4).reshape(
+            r * k, self.num_heads, -1)
         out.index_copy_(0, plan.rows, res.index_select(0, plan.result_index).to(out.dtype))
 
     def _tree_row_plan(self, batch: TreeAttentionBatch, attn_metadata: CPUAttentionMetadata,
@@ -472,7 +475,11 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         mask = np.take_along_axis(tree_rows, np.clip(rel, 0, n - 1)[:, None, :].repeat(k, 1), 2)
         mask &= ((rel >= 0) & (rel < size[:, None]))[:, None, :]
         mask |= (rel < 0)[:, None, :]  # [r, k, S]
+        # Head-group-major rows, as the query is folded: row gi * k + i is head group gi, row i.
+        g = self.num_heads // self.num_kv_heads
         bias = np.where(mask, np.float32(0), np.float32(-np.inf))
+        bias = np.broadcast_to(bias[:, None, None], (r, 1, g, k, bias.shape[2])).reshape(
+            r, 1, g * k, -1)
         query_index = np.array([req.query_start for req in reqs])[:, None] + node
         batch_index = torch.from_numpy(np.array([req.batch_index for req in reqs]))
         table = attn_metadata.block_table.to("cpu")[batch_index, :m]  # past a request: masked

@@ -13,8 +13,8 @@ Free of vLLM imports, so the readers also serve as test oracles:
   string the CPU backend picked (``layer.isa``); only the layouts verified against that writer are
   read (see :data:`VERIFIED_ISAS`), anything else raises ``NotImplementedError``.
 * :func:`attend_paged_heads` -- attention of several requests' rows over whole cache blocks in
-  the ``vec`` / ``vec16`` layouts, the keys read in the writer's transposed layout (the CPU
-  backend's float32 tree rows use it).
+  the ``vec`` / ``vec16`` layouts, each block read once (the CPU backend's float32 tree rows use
+  it).
 
 Layouts (per block ``b`` and KV head ``h``; the cache tensor is ``[num_blocks, num_kv_heads,
 block_size, 2 * head_size]``, viewed ``[nb, Hkv, 2 * bs, D]`` and split in halves, so the key part
@@ -37,6 +37,7 @@ re-checks them against the writer.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 #: ISA strings whose block layout :func:`gather_paged_kv` can read.
 VERIFIED_ISAS: tuple[str, ...] = ("vec", "vec16", "amx")
@@ -223,65 +224,61 @@ def attend_paged_heads(
 ) -> torch.Tensor:
     """Attention of several requests' query rows over whole blocks of the CPU paged cache.
 
-    Each request's blocks are read once (two ``index_select`` of the cache's key rows and value
-    rows, no further copy of the keys or values): the scores are taken against the keys in the
-    writer's transposed block layout (``[D, bs]`` per block and head, the ``vec`` / ``vec16``
-    layout of vLLM's ``cpu_attn_reshape_and_cache``), the values are read token-major as they
-    lie. Grouped-query heads share their KV head's keys (vLLM's convention: query head
-    ``h * g + j`` uses KV head ``h``). Computed in the cache dtype; the plugin calls it for
-    float32 caches.
+    Each request's blocks are read once: one ``index_select`` of the key rows and one of the value
+    rows of the cache (:func:`paged_head_rows`); the values are then already token-major
+    (``[R, Hkv, S, D]``, no further copy) and only the keys are transposed out of the writer's
+    ``[D, bs]`` block layout (``vec`` / ``vec16`` of vLLM's ``cpu_attn_reshape_and_cache``).
+    The attention itself is one ``torch.nn.functional.scaled_dot_product_attention`` call (its
+    CPU kernel tiles the scores, which matters at a few hundred tree rows). Computed in the cache
+    dtype; the plugin calls it for float32 caches.
 
     Args:
-        query: ``[R, Hkv, g, k, D]``: ``k`` query rows of request ``r`` for each of the ``g``
-            query heads of KV head ``h``.
+        query: ``[R, Hkv, G, D]``: ``G`` query rows of request ``r`` per KV head (the caller
+            folds the query heads of one KV head into its rows).
         kv_cache: ``[num_blocks, Hkv, bs, 2 * D]``, contiguous, as the CPU backend allocates it.
         key_rows, value_rows: ``[R * Hkv * m]`` int64 from :func:`paged_head_rows` (``m``
             blocks per request; token ``p`` of request ``r`` is in its block ``p // bs``).
-        bias: ``[R, k, m * bs]`` float, added to the scaled scores of every head: ``0`` where
-            row ``i`` sees token ``p``, ``-inf`` where it does not. Every row must see at least
+        bias: ``[R, 1, G, m * bs]`` float, added to the scaled scores of every KV head: ``0``
+            where a row sees token ``p``, ``-inf`` where it does not. Every row must see at least
             one token.
         scale: softmax scale (usually ``head_size ** -0.5``).
         isa: the ISA string the backend wrote with (``layer.isa``).
 
     Returns:
-        ``[R, Hkv, g, k, D]`` in the cache dtype.
+        ``[R, Hkv, G, D]`` in the cache dtype.
 
     Raises:
         NotImplementedError: a layout other than ``vec`` / ``vec16`` (``amx`` stores keys in
             tiles), or an unverified one.
         ValueError: inconsistent shapes or a non-contiguous cache.
     """
-    if kv_cache.dim() != 4 or kv_cache.shape[3] % 2 or query.dim() != 5:
+    if kv_cache.dim() != 4 or kv_cache.shape[3] % 2 or query.dim() != 4:
         raise ValueError(
             f"kv_cache {tuple(kv_cache.shape)} must be [num_blocks, num_kv_heads, block_size, "
-            f"2 * head_size] and query [R, Hkv, g, k, D]; got query {tuple(query.shape)}"
+            f"2 * head_size] and query [R, Hkv, G, D]; got query {tuple(query.shape)}"
         )
     num_blocks, num_kv_heads, block_size, two_d = kv_cache.shape
     head_size = two_d // 2
     _check_layout_supported(isa, kv_cache.dtype, block_size, head_size)
     if isa not in ("vec", "vec16"):
         raise NotImplementedError(f"attend_paged_heads reads the vec / vec16 layouts, not {isa!r}")
-    r, hkv, g, k, d = query.shape
-    per_req = key_rows.numel() // max(r * hkv, 1)
+    r, hkv, rows_per_head, d = query.shape
+    m = key_rows.numel() // max(r * hkv, 1)
     if (hkv != num_kv_heads or d != head_size or not kv_cache.is_contiguous()
-            or key_rows.numel() != r * hkv * per_req or value_rows.shape != key_rows.shape
-            or tuple(bias.shape) != (r, k, per_req * block_size)):
+            or key_rows.numel() != r * hkv * m or value_rows.shape != key_rows.shape
+            or tuple(bias.shape) != (r, 1, rows_per_head, m * block_size)):
         raise ValueError(
             f"query {tuple(query.shape)}, kv_cache {tuple(kv_cache.shape)} (contiguous: "
             f"{kv_cache.is_contiguous()}), key_rows {tuple(key_rows.shape)}, value_rows "
             f"{tuple(value_rows.shape)} and bias {tuple(bias.shape)} do not fit together"
         )
-    m, seq = per_req, per_req * block_size
+    seq = m * block_size
     rows = kv_cache.view(num_blocks * num_kv_heads * 2, block_size * head_size)
-    keys_t = rows.index_select(0, key_rows).view(r, hkv, m, head_size, block_size)
+    keys = (rows.index_select(0, key_rows).view(r, hkv, m, head_size, block_size)
+            .transpose(-1, -2).reshape(r, hkv, seq, head_size))
     values = rows.index_select(0, value_rows).view(r, hkv, seq, head_size)
-    q = (query.to(kv_cache.dtype) * scale).reshape(r, hkv, 1, g * k, head_size)
-    # [R, Hkv, m, g*k, bs]: one product per block against its transposed keys
-    scores = torch.matmul(q, keys_t)
-    scores = scores.permute(0, 1, 3, 2, 4).reshape(r, hkv, g, k, seq)
-    scores.add_(bias.to(scores.dtype)[:, None, None])
-    probs = torch.softmax(scores, dim=-1).view(r, hkv, g * k, seq)
-    return torch.matmul(probs, values).view(r, hkv, g, k, head_size)
+    return F.scaled_dot_product_attention(query.to(kv_cache.dtype), keys, values,
+                                          attn_mask=bias.to(kv_cache.dtype), scale=scale)
 
 
 def _blocks_head_major(k_raw: torch.Tensor, v_raw: torch.Tensor,
