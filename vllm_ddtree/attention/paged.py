@@ -192,7 +192,8 @@ def gather_paged_kv(
     return keys.contiguous(), values.contiguous()
 
 
-def paged_head_rows(block_table: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def paged_head_rows(block_table: torch.Tensor,
+                    num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Where each request's keys and values sit in the CPU cache, for :func:`attend_paged_heads`.
 
     The cache tensor ``[num_blocks, Hkv, bs, 2 * D]`` viewed as ``[num_blocks * Hkv * 2, bs * D]``
