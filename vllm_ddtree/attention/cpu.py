@@ -472,8 +472,12 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         node = np.where(valid, order, order[:, :1])
         rel = np.arange(m * block_size) - ctx[:, None]  # key position relative to the root
         tree_rows = a[np.arange(r)[:, None], node]  # [r, k, n]
-        mask = np.take_along_axis(tree_rows, np.clip(rel, 0, n - 1)[:, None, :].repeat(k, 1), 2)
-        mask &= ((rel >= 0) & (rel < size[:, None]))[:, None, :]
+        # Tree key j of request t sits at column ctx[t] + j; padding columns (j >= size[t]) go
+        # to a spare last column, dropped after.
+        cols = np.where(np.arange(n) < size[:, None], ctx[:, None] + np.arange(n), m * block_size)
+        mask = np.zeros((r, k, m * block_size + 1), dtype=bool)
+        mask[np.arange(r)[:, None, None], np.arange(k)[None, :, None], cols[:, None, :]] = tree_rows
+        mask = mask[:, :, :-1]
         mask |= (rel < 0)[:, None, :]  # [r, k, S]
         # Head-group-major rows, as the query is folded: row gi * k + i is head group gi, row i.
         g = self.num_heads // self.num_kv_heads

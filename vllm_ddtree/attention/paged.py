@@ -36,6 +36,7 @@ re-checks them against the writer.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -208,9 +209,10 @@ def paged_head_rows(block_table: torch.Tensor,
         ``(key_rows, value_rows)``: each ``[R * Hkv * m]`` int64 (on ``block_table``'s device),
         ordered request, head, block.
     """
-    table = block_table.to(torch.long)
-    heads = torch.arange(num_kv_heads, device=table.device)
-    key_rows = (2 * (table[:, None, :] * num_kv_heads + heads[None, :, None])).flatten()
+    # numpy: a step builds these once, and torch's per-op cost was most of the time
+    table = block_table.to("cpu", torch.long).numpy()
+    key_rows = 2 * (table[:, None, :] * num_kv_heads + np.arange(num_kv_heads)[None, :, None])
+    key_rows = torch.from_numpy(key_rows.reshape(-1)).to(block_table.device)
     return key_rows, key_rows + 1
 
 
