@@ -13,8 +13,8 @@ verification forward:
   causal result got wrong (rows with a sibling branch among their predecessors) under the
   ancestor-only mask of the DDTree paper (§3). How depends on the cache dtype:
 
-  - **float32**: one batched attention per layer for all such rows of all requests, over each
-    request's cache blocks read once in the writer's layout
+  - **float32**: one batched ``torch.nn.functional.scaled_dot_product_attention`` call per layer
+    for all such rows of all requests, over each request's cache blocks, read once
     (:func:`~vllm_ddtree.attention.paged.attend_paged_heads`). In float32 no
     method rounds a tree row bit-identically to a decode row (vLLM's kernel itself does not: its
     result moves in the last bits with the call's shape), and reading the context once per
