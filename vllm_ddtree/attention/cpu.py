@@ -482,8 +482,7 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         # Head-group-major rows, as the query is folded: row gi * k + i is head group gi, row i.
         g = self.num_heads // self.num_kv_heads
         bias = np.where(mask, np.float32(0), np.float32(-np.inf))
-        bias = np.broadcast_to(bias[:, None, None], (r, 1, g, k, bias.shape[2])).reshape(
-            r, 1, g * k, -1)
+        bias = np.repeat(bias[:, None], g, axis=1).reshape(r, 1, g * k, -1)  # a writable copy
         query_index = np.array([req.query_start for req in reqs])[:, None] + node
         batch_index = torch.from_numpy(np.array([req.batch_index for req in reqs]))
         table = attn_metadata.block_table.to("cpu")[batch_index, :m]  # past a request: masked
