@@ -39,6 +39,16 @@ def _params():
             for m in MAX_TOKENS]
 
 
+def _state_blocks(worker) -> list[tuple[int, tuple]]:
+    """Run in the worker (``collective_rpc``): ``(num_speculative_blocks, state shapes)`` of
+    every recurrent KV-cache group."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    groups = worker.model_runner.kv_cache_config.kv_cache_groups
+    return sorted({(g.kv_cache_spec.num_speculative_blocks, g.kv_cache_spec.shapes)
+                   for g in groups if isinstance(g.kv_cache_spec, MambaSpec)})
+
+
 def _sidesteps(depth: int, index: int) -> int:
     # Every 5th output token is the drafter's second choice: accepted paths leave the spine.
     return 1 if index % 5 == 2 else 0
@@ -73,8 +83,12 @@ def test_hybrid_greedy_equals_target_only(hybrid, budget, horizon):
         oracle = OracleDrafts(hybrid["refs"], _sidesteps)
         with injected_drafts(oracle), recorded_verification() as rec:
             injected_out = llm.generate(PROMPTS, _params(), use_tqdm=False)
+        (blocks,) = llm.collective_rpc(_state_blocks)
     finally:
         release_llm(llm)
+    # vLLM keeps L speculative state blocks per request, not max(B, L): trees of up to 33
+    # nodes ran through L + 1 blocks
+    assert blocks and {b for b, _ in blocks} == {horizon}, blocks
     for label, out in (("random drafter", random_out), ("injected trees", injected_out)):
         problems = greedy_mismatches(hybrid["ref"], out, near_tie=hybrid["near_tie"])
         assert not problems, f"{hybrid['name']} B={budget} {label}: {problems}"

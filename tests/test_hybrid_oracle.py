@@ -7,6 +7,7 @@ chain path on each path alone. End-to-end engines: tests/test_hybrid_e2e.py.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import types
 
@@ -15,16 +16,18 @@ import torch
 
 from vllm_ddtree.hybrid.oracle import (
     build_recurrent_layout,
+    commit_conv_buffer,
+    commit_single_tokens,
+    commit_states,
     conv_window_index,
     gated_delta_step_reference,
     gather_conv_windows,
+    load_committed,
     mamba2_step_reference,
+    path_layout,
     read_conv_windows,
-    relayout_conv_buffer,
-    relayout_recurrent_state,
     run_tree_levels,
     tree_causal_conv,
-    write_conv_buffer,
 )
 
 
@@ -86,56 +89,100 @@ def _select(inp, rows):
     return tuple(t[rows] for t in inp)
 
 
+def _advance(kind, inp):
+    """The layer call's replay: the reference step in a level scratch (outputs optional)."""
+    def advance(lay, scratch, out=None):
+        def step(level, dst):
+            new, o = kind.step(scratch[dst], _select(inp, level))
+            scratch[dst] = new
+            if out is not None:
+                out[level] = o
+
+        run_tree_levels(lay, scratch, step)
+
+    return advance
+
+
+def _random_tree(q, max_depth, rng):
+    """Parents (pop order) of a tree of q nodes of depth <= max_depth."""
+    parents, depth = [-1], [0]
+    for t in range(1, q):
+        p = rng.choice([i for i in range(t) if depth[i] < max_depth])
+        parents.append(p)
+        depth.append(depth[p] + 1)
+    return torch.tensor(parents, dtype=torch.long)
+
+
 @pytest.mark.parametrize("kind_cls", [GDNKind, Mamba2Kind])
 @pytest.mark.parametrize("seed", range(6))
 def test_tree_walk_equals_each_path_as_a_chain(kind_cls, seed):
-    """States and outputs of every node, and conv outputs over ancestor windows (incl. the
-    committed window past the root), equal the root->node path run alone as a chain."""
+    """Outputs of every node, and conv outputs over ancestor windows (incl. the committed
+    window past the root), equal the root->node path run alone as a chain; committing any
+    node's path writes that chain's state to block a and its conv window where the next step
+    reads it. State blocks (C) are fewer than a tree's nodes: only the depth bounds them."""
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
     kind = kind_cls(g)
-    W, dim, K = 4, 7, 12
-    sizes = [rng.randrange(1, K + 2) for _ in range(3)]  # tree rows per sequence (<= K + 1)
-    parents = {b: random_parents(q - 1, rng) for b, q in enumerate(sizes) if b != 1}  # seq 1: chain
-    slots = 3 * (K + 1) + 1
-    state_indices = torch.arange(1, slots).view(3, K + 1).int()
-    num_accepted = torch.tensor([1, 3, K + 1], dtype=torch.int32)
-    lay = build_recurrent_layout(sizes, [0, 1, 2], state_indices, num_accepted, parents)
+    W, dim, C, K = 4, 7, 5, 16  # C = L + 1 state blocks, trees of up to K + 1 nodes
+    sizes = [rng.randrange(2, K + 2), rng.randrange(2, C + 1), K + 1, 1]
+    parents = {b: _random_tree(q, C - 1, rng) for b, q in enumerate(sizes) if b not in (1, 3)}
+    N = len(sizes)
+    slots = N * C + 1
+    state_indices = (torch.randperm(slots - 1, generator=g) + 1).view(N, C).int()
+    num_accepted = torch.tensor([1, 3, C, 2], dtype=torch.int32)
+    lay = build_recurrent_layout(sizes, list(range(N)), state_indices, num_accepted, parents)
     T = lay.num_tokens
-    assert lay.is_tree == [True, False, True]
+    assert lay.is_tree == [True, False, True, False]
+    assert lay.num_scratch_rows < 1 + N + T or max(sizes) <= 2  # two levels, not every node
 
     states = kind.state(slots, g)
     committed = states.clone()
     inp = kind.inputs(T, g)
     out = torch.zeros(T, *kind.step(states[:1], _select(inp, [0]))[1].shape[1:])
-
-    def step(level, dst):
-        new, o = kind.step(states[dst], _select(inp, level))
-        states[dst] = new
-        out[level] = o
-
-    run_tree_levels(lay, states, step)
+    advance = _advance(kind, inp)
+    scratch = load_committed(lay, states)
+    advance(lay, scratch, out)
+    assert torch.equal(states, committed)  # the forward writes no vLLM block
+    assert commit_single_tokens(states, lay, scratch) == [3]
 
     x = torch.randn(T, dim, generator=g)
-    conv_buf = torch.randn(slots, dim, W - 1 + K, generator=g)
+    conv_buf = torch.randn(slots, dim, W - 1 + C - 1, generator=g)
     weight, bias = torch.randn(dim, W, generator=g), torch.randn(dim, generator=g)
     prior = read_conv_windows(conv_buf, lay, W)
     conv = tree_causal_conv(x, gather_conv_windows(x, prior, conv_window_index(lay, W)),
                             weight, bias, "silu")
 
-    for n, (s, q) in enumerate(zip(lay.seq_starts, lay.seq_lens)):
-        local = parents.get(n, torch.arange(-1, q - 1))
-        row = state_indices[n].long()
-        for node in range(q):
-            path = [s + t for t in path_to(local, node)]
-            st = committed[row[int(num_accepted[n]) - 1]].unsqueeze(0)
-            for t in path:
-                st, o = kind.step(st, _select(inp, [t]))
-            torch.testing.assert_close(states[row[node]], st[0], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(out[s + node], o[0], rtol=1e-5, atol=1e-5)
-            seq_in = torch.cat([prior[n], x[path].T], dim=-1)  # the chain's conv input
+    def chain(n, path):
+        st = committed[state_indices[n, int(num_accepted[n]) - 1].long()].unsqueeze(0)
+        for t in path:
+            st, o = kind.step(st, _select(inp, [t]))
+        return st[0], o[0]
+
+    nodes = {n: list(range(q)) for n, q in enumerate(sizes)}
+    for rnd in range(max(sizes)):  # commit one node's path per sequence and round
+        st, buf = committed.clone(), conv_buf.clone()
+        paths = {n: path_to(parents.get(n, torch.arange(-1, q - 1)), nodes[n][rnd])
+                 for n, q in enumerate(sizes) if rnd < q and n != 3}
+        commit_states(st, lay, paths, advance)
+        commit_conv_buffer(buf, lay, prior, x, paths)
+        for n, path in paths.items():
+            s, node = lay.seq_starts[n], path[-1]
+            flat = [s + t for t in path]
+            want_state, want_out = chain(n, flat)
+            a = len(path) - 1
+            torch.testing.assert_close(st[state_indices[n, a].long()], want_state,
+                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out[s + node], want_out, rtol=1e-5, atol=1e-5)
+            seq_in = torch.cat([prior[n], x[flat].T], dim=-1)  # the chain's conv input
             want = torch.nn.functional.silu(
                 torch.nn.functional.conv1d(seq_in[None], weight[:, None], bias, groups=dim))[0, :, -1]
             torch.testing.assert_close(conv[s + node], want, rtol=1e-5, atol=1e-5)
+            nxt = build_recurrent_layout([1], [0], state_indices[n : n + 1],
+                                         torch.tensor([a + 1]), {})
+            torch.testing.assert_close(read_conv_windows(buf, nxt, W)[0], seq_in[:, -(W - 1):])
+        untouched = set(range(slots)) - {int(state_indices[n, len(p) - 1]) for n, p in paths.items()}
+        assert torch.equal(st[sorted(untouched)], committed[sorted(untouched)])
+    single = state_indices[3, 0].long()
+    torch.testing.assert_close(states[single], chain(3, [lay.seq_starts[3]])[0], rtol=1e-5, atol=1e-5)
 
 
 def test_conv_windows_reach_past_the_root():
@@ -148,34 +195,23 @@ def test_conv_windows_reach_past_the_root():
     assert idx[1].tolist() == [T + 1, T + 2, 0] == idx[2].tolist()
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_commit_relayout_gives_the_chain_layout(seed):
-    """After write + re-layout along an accepted path, the next step reads exactly the
-    window and state a chain of those tokens would have left."""
-    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
-    W, dim, K = 4, 5, 10
-    q = rng.randrange(2, K + 2)
-    parents = random_parents(q - 1, rng)
-    node = rng.randrange(q)
-    accepted = path_to(parents, node)
-    off = rng.randrange(0, K + 1)
-    lay = build_recurrent_layout([q], [0], torch.arange(2, 2 + K + 1).view(1, -1),
-                                 torch.tensor([off + 1]), {0: parents})
-    buf = torch.randn(20, dim, W - 1 + K, generator=g)
-    x = torch.randn(q, dim, generator=g)
-    prior = read_conv_windows(buf, lay, W)
-    write_conv_buffer(buf, lay, prior, x)
-    relayout_conv_buffer(buf[int(lay.conv_slots[0])], accepted, W)
-    a = len(accepted) - 1
-    full = torch.cat([prior[0], x[accepted].T], dim=-1)  # committed window + accepted inputs
-    nxt = build_recurrent_layout([1], [0], lay.dst_slots.view(1, -1)[:, : K + 1],
-                                 torch.tensor([a + 1]), {})
-    torch.testing.assert_close(read_conv_windows(buf, nxt, W)[0], full[:, -(W - 1):])
-
-    states = torch.randn(20, 3, generator=g)
-    want = states[int(lay.dst_slots[node])].clone()
-    relayout_recurrent_state(states, lay.dst_slots.tolist(), accepted)
-    torch.testing.assert_close(states[int(lay.dst_slots[a])], want)
+def test_level_scratch_holds_two_levels_and_paths_chain_from_the_committed_copy():
+    # star of 6 leaves under the root, then a chain of 2 below leaf 1: widths 1, 6, 1, 1
+    parents = torch.tensor([-1, 0, 0, 0, 0, 0, 0, 1, 7])
+    lay = build_recurrent_layout([9], [0], torch.arange(10, 14).view(1, 4), torch.tensor([2]),
+                                 {0: parents})
+    assert int(lay.committed_slots[0]) == 11
+    assert lay.num_scratch_rows == 1 + 1 + 6 + 1  # null, committed copy, odd (6), even (1)
+    assert int(lay.src_slots[0]) == int(lay.dst_slots[0]) == 1  # the root: its committed copy
+    assert lay.dst_slots[8] == lay.dst_slots[1]  # depth 3 reuses depth 1's region
+    chains = path_layout(lay, {0: [0, 1, 7, 8]})
+    assert [lv.tolist() for lv in chains.levels] == [[0], [1], [7], [8]]
+    assert chains.src_slots[[0, 1, 7, 8]].tolist() == chains.dst_slots[[0, 1, 7, 8]].tolist() == [1] * 4
+    assert chains.num_scratch_rows == 2 and chains.src_slots[2] == -1
+    with pytest.raises(ValueError, match="not a root-to-node path"):
+        path_layout(lay, {0: [0, 2, 7]})
+    with pytest.raises(RuntimeError, match="4 state blocks"):
+        commit_states(torch.zeros(20, 2), lay, {0: [0, 1, 7, 8, 8]}, lambda *a: None)
 
 
 def test_layout_refuses_a_tree_that_does_not_match_the_rows():
@@ -301,6 +337,15 @@ def test_gdn_tree_forward_equals_vllm_chain_on_each_path(vllm_gdn, seed):
             # across the chain; decode: per token), so a few elements differ by ~1e-3.
             torch.testing.assert_close(out[start + node].float(), ref[-1].float(),
                                        rtol=2e-2, atol=1e-2)
-            torch.testing.assert_close(ssm[idx[n, node]], s[idx[n, len(path) - 1]],
-                                       rtol=2e-2, atol=1e-2)
+            # committing this node's path writes the chain's state to block a, and the
+            # committed window followed by the path's inputs where the next step reads it
+            got_ssm, got_conv = ssm.clone(), conv.clone()
+            dataclasses.replace(ctx.records[0], states=got_ssm, conv_buf=got_conv).commit(
+                {n: path})
+            last = len(path) - 1
+            torch.testing.assert_close(got_ssm[idx[n, last]], s[idx[n, last]], rtol=2e-2,
+                                       atol=1e-2)
+            chain_in = torch.cat([conv0[slot0, :, off : off + W - 1], x[rows].T], dim=-1)
+            torch.testing.assert_close(got_conv[slot0, :, last : last + W - 1],
+                                       chain_in[:, -(W - 1):], rtol=0, atol=0)
         start += q

@@ -155,33 +155,36 @@ def gather_accepted_rows(tensors: Sequence[torch.Tensor], requests: Sequence[Ste
 
 
 def relayout_recurrent(ctx: Any, requests: Sequence[Any]) -> None:
-    """Re-lay every recurrent layer's conv and recurrent state along the accepted paths.
+    """Commit every recurrent layer's accepted paths into vLLM's state blocks and conv buffers.
 
     After this, the state a chain of ``a`` accepted drafts would have left is where vLLM's
     chain bookkeeping reads it next step (``num_accepted_tokens = a + 1``): conv window at
-    columns ``[a, a + W - 1)`` of the request's conv buffer, recurrent state in slot ``a``
-    (:mod:`vllm_ddtree.hybrid.oracle`; design: vllm-integration.md §6.5).
+    columns ``[a, a + W - 1)`` of the request's conv buffer, recurrent state in block ``a``
+    (replayed along the path, :mod:`vllm_ddtree.hybrid.oracle`; design: vllm-integration.md
+    §6.5). Chains are committed the same way as trees.
 
     Args:
         ctx: the step's :class:`~vllm_ddtree.hybrid.context.HybridTreeContext`.
         requests: the step's ``StepRequest`` list with ``accepted`` set by verification.
-    """
-    from vllm_ddtree.hybrid.oracle import relayout_conv_buffer, relayout_recurrent_state
 
-    accepted = {r.batch_index: r.accepted for r in requests if r.is_tree}
-    if not accepted:
-        return
+    Raises:
+        RuntimeError: a speculative sequence of several tokens has no accepted path (its
+            state would be lost).
+    """
+    accepted = {r.batch_index: r.accepted for r in requests}
     for rec in ctx.records:
         lay = rec.layout
+        paths = {}
         for n, b in enumerate(lay.batch_index):
-            path = accepted.get(b)
-            if not path or not lay.is_tree[n]:
+            if n in rec.done:
                 continue
-            if rec.conv_buf is not None:
-                relayout_conv_buffer(rec.conv_buf[int(lay.conv_slots[n])], path, rec.width)
-            if rec.states is not None:
-                s, q = lay.seq_starts[n], lay.seq_lens[n]
-                relayout_recurrent_state(rec.states, lay.dst_slots[s : s + q].tolist(), path)
+            path = accepted.get(b)
+            if not path:
+                raise RuntimeError(
+                    f"DDTree hybrid: batch row {b} ran {lay.seq_lens[n]} speculative tokens "
+                    f"through a recurrent layer but verification gave it no accepted path")
+            paths[n] = path
+        rec.commit(paths)
 
 
 def commit_tree_step(step: Any, hybrid_ctx: Any = None) -> None:

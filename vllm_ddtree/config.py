@@ -79,6 +79,17 @@ class DDTreeConfig:
         """
         return max(self.budget, self.drafter_horizon)
 
+    @property
+    def num_recurrent_state_blocks(self) -> int:
+        """Speculative state blocks vLLM keeps per request and recurrent layer
+        (``MambaSpec.num_speculative_blocks``, ``vllm/v1/kv_cache_interface.py``).
+
+        The tree oracle writes only the accepted path (at most ``L + 1`` tokens, block ``a``
+        after ``a`` accepted drafts) into vLLM's blocks, so ``L``; ``shadow_linear`` leaves
+        vLLM's own chain path in charge, which addresses ``max(B, L)``.
+        """
+        return self.drafter_horizon if self.hybrid == "oracle" else self.num_verify_slots
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

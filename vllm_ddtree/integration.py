@@ -338,6 +338,17 @@ REGISTER: list[Change] = [
        both("(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplus=False, "
             "state_batch_indices=None, dst_state_batch_indices=None, null_block_id=0, out=None, "
             "num_accepted_tokens=None, cu_seqlens=None, is_blackwell=False)"), _P),
+    _c("vllm.model_executor.layers.mamba.abstract:MambaBase.get_kv_cache_spec", "patch",
+       "Recurrent layers of a DDTree engine (oracle mode) get L speculative state blocks per "
+       "request (MambaSpec.num_speculative_blocks), not num_speculative_tokens = max(B, L): the "
+       "oracle keeps tree nodes' states in a level scratch and writes only the accepted path "
+       "(at most L + 1 tokens) into vLLM's blocks. The overrides of MambaMixer2 (0.32, 0.33) and "
+       "QwenGatedDeltaNetAttention (0.33) call it through super() and keep the field.",
+       both("(self, vllm_config)"), _P),
+    _c(f"{_MIXER2}:MambaMixer2.get_kv_cache_spec", "dependency",
+       "Calls MambaBase.get_kv_cache_spec and keeps its num_speculative_blocks (the patch "
+       "above sizes Mamba2's state blocks through it).",
+       both("(self, vllm_config)"), _P),
     # ---- patches: GatedDeltaNet on CUDA (vLLM's Triton kernels; hybrid/gdn_cuda.py)
     _c(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention._forward_core", "patch",
        "During a DDTree step the GDN core publishes its layer and GDNAttentionMetadata to the "

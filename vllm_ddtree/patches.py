@@ -44,6 +44,7 @@ error.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import logging
@@ -706,6 +707,19 @@ def _gdn_spec_forward(original: Callable) -> Callable:
                                  gdn_attention._unpacked_conv_weight(layer))
 
     return _spec_forward
+
+
+@patch("vllm.model_executor.layers.mamba.abstract", "MambaBase.get_kv_cache_spec")
+def _recurrent_state_blocks(original: Callable) -> Callable:
+    def get_kv_cache_spec(self, vllm_config):
+        spec = original(self, vllm_config)
+        ddtree = get_ddtree_config(vllm_config)
+        blocks = getattr(spec, "num_speculative_blocks", None)
+        if ddtree is None or blocks is None or blocks <= ddtree.num_recurrent_state_blocks:
+            return spec
+        return dataclasses.replace(spec, num_speculative_blocks=ddtree.num_recurrent_state_blocks)
+
+    return get_kv_cache_spec
 
 
 @contextlib.contextmanager

@@ -6,12 +6,14 @@ draft trees of several requests (slots shuffled, committed slot at ``num_accepte
 plugin's :func:`vllm_ddtree.hybrid.gdn_cuda.tree_conv_update` and
 :func:`~vllm_ddtree.hybrid.gdn_cuda.tree_gated_delta_update` run through vLLM's Triton
 ``causal_conv1d_update`` and ``fused_sigmoid_gating_delta_rule_update``; every node's conv
-output, core output and final state are compared with its root-to-node path run as a chain
-through the fp32 references of :mod:`vllm_ddtree.hybrid.oracle`.
+output and core output, and the state and conv window that committing its path writes (a replay
+through the same kernels), are compared with its root-to-node path run as a chain through the
+fp32 references of :mod:`vllm_ddtree.hybrid.oracle`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -44,7 +46,7 @@ def main() -> dict:
         torch.tensor([-1, 0, 1, 2]),
         torch.tensor([-1, 0, 0, 0, 1, 4, 5]),
     ]
-    Kslots = 9
+    Kslots = 5  # L + 1 state blocks: fewer than the 9-node tree's nodes, as DDTree asks vLLM
     num_slots = 1 + len(trees) * Kslots
     perm = (torch.randperm(num_slots - 1, generator=g) + 1).view(len(trees), Kslots)
     accepted = torch.tensor([2, 1, 3], dtype=torch.int32)
@@ -60,7 +62,7 @@ def main() -> dict:
     x = torch.randn(T, dim, generator=g)
     x_in = x.clone()  # the Triton conv writes its outputs into x, as in vLLM
     weight, bias = torch.randn(dim, W, generator=g) * 0.5, torch.randn(dim, generator=g)
-    conv_state = torch.randn(num_slots, dim, W - 1 + Kslots, generator=g)
+    conv_state = torch.randn(num_slots, dim, W - 1 + 8, generator=g)
     committed_win = [conv_state[perm[n, 0], :, int(accepted[n]) - 1: int(accepted[n]) - 1 + W - 1]
                      .clone() for n in range(len(trees))]
     conv_out = tree_conv_update(ctx, conv_update, x, conv_state, weight, bias, "silu")
@@ -76,7 +78,8 @@ def main() -> dict:
         ctx, fused_sigmoid_gating_delta_rule_update, A_log=A_log, a=a, b=b, dt_bias=dt_bias,
         q=q, k=k, v=v, initial_state=S, use_qk_l2norm_in_kernel=True)
 
-    err = {"conv": 0.0, "out": 0.0, "state": 0.0, "nodes": 0}
+    assert torch.equal(S, S0), "the forward wrote a state block"
+    err = {"conv": 0.0, "out": 0.0, "state": 0.0, "window": 0.0, "nodes": 0}
     start = 0
     for n, parents in enumerate(trees):
         for t in range(parents.numel()):
@@ -99,8 +102,17 @@ def main() -> dict:
                     st, q[0, i].repeat_interleave(rep, 0)[None], k[0, i].repeat_interleave(rep, 0)[None],
                     v[0, i][None], a[i][None], b[i][None], A_log, dt_bias)
             err["out"] = max(err["out"], float((o[0, start + t] - ref_o[0]).abs().max()))
-            got_state = S[int(perm[n, t])].transpose(-1, -2)
+            # the commit of this node's path replays it into block a (the forward writes no
+            # block); the committed conv window of the next step follows the path
+            S_commit, conv_commit = S.clone(), conv_state.clone()
+            for rec in ctx.records:
+                dataclasses.replace(rec, states=S_commit if rec.states is not None else None,
+                                    conv_buf=conv_commit if rec.conv_buf is not None else None,
+                                    ).commit({n: path})
+            got_state = S_commit[int(perm[n, len(path) - 1])].transpose(-1, -2)
             err["state"] = max(err["state"], float((got_state - st[0]).abs().max()))
+            got_win = conv_commit[perm[n, 0], :, len(path) - 1 : len(path) - 1 + W - 1]
+            err["window"] = max(err["window"], float((got_win - seq[-(W - 1):].T).abs().max()))
             err["nodes"] += 1
         start += parents.numel()
     del F

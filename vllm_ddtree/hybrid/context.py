@@ -11,29 +11,59 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from vllm_ddtree.hybrid.oracle import RecurrentTreeLayout, build_recurrent_layout, conv_window_index
+from vllm_ddtree.hybrid.oracle import (
+    Advance,
+    RecurrentTreeLayout,
+    build_recurrent_layout,
+    commit_conv_buffer,
+    commit_single_tokens,
+    commit_states,
+    conv_window_index,
+)
 
 
 @dataclass
 class RecurrentRecord:
-    """What one recurrent layer wrote this step, for the re-layout after verification.
+    """What one recurrent layer call needs to commit the accepted paths after verification.
+
+    The forward writes no vLLM state block or conv column of a multi-token sequence (its nodes
+    live in a level scratch); :meth:`commit` writes the accepted path's.
 
     Attributes:
-        conv_buf: ``[slots, dim, W - 1 + K]`` the layer's conv cache (a view), or ``None``
-            when this record is only the recurrent state (Mamba2 runs conv and SSM apart).
-        states: ``[slots, ...]`` the layer's recurrent-state cache (a view), or ``None``.
         layout: the speculative rows' trees and slots.
-        width: conv kernel width W.
+        width: conv kernel width W (0 without a conv part).
+        conv_buf: ``[slots, dim, W - 1 + K']`` the layer's conv cache (a view), or ``None``
+            when this record is only the recurrent state (Mamba2 runs conv and SSM apart).
+        prior: ``[N, dim, W - 1]`` the committed conv windows read in the forward.
+        conv_inputs: ``[T, dim]`` the call's pre-conv inputs (a copy: vLLM's Triton conv
+            overwrites its input).
+        states: ``[slots, ...]`` the layer's recurrent-state cache (a view), or ``None``.
+        advance: the layer call's replay of a layout in a level scratch (it holds the call's
+            recurrent inputs), see :data:`~vllm_ddtree.hybrid.oracle.Advance`.
+        done: sequence indices already committed (one token: nothing to verify).
     """
 
-    conv_buf: torch.Tensor | None
-    states: torch.Tensor | None
     layout: RecurrentTreeLayout
-    width: int
+    width: int = 0
+    conv_buf: torch.Tensor | None = None
+    prior: torch.Tensor | None = None
+    conv_inputs: torch.Tensor | None = None
+    states: torch.Tensor | None = None
+    advance: Advance | None = None
+    done: frozenset[int] = frozenset()
+
+    def commit(self, paths: Mapping[int, Sequence[int]]) -> None:
+        """Write the accepted paths (sequence index -> ``[0, n_1 … n_a]``) into vLLM's conv
+        buffer and state blocks (:func:`~vllm_ddtree.hybrid.oracle.commit_conv_buffer`,
+        :func:`~vllm_ddtree.hybrid.oracle.commit_states`)."""
+        if self.conv_buf is not None:
+            commit_conv_buffer(self.conv_buf, self.layout, self.prior, self.conv_inputs, paths)
+        if self.states is not None:
+            commit_states(self.states, self.layout, paths, self.advance)
 
 
 @dataclass
@@ -53,6 +83,21 @@ class HybridTreeContext:
     records: list[RecurrentRecord] = field(default_factory=list)
     cache: dict[Any, Any] = field(default_factory=dict)
     gdn_call: tuple[Any, Any] | None = None
+
+    def record(self, rec: RecurrentRecord, scratch: torch.Tensor | None = None) -> None:
+        """Keep ``rec`` for the commit after verification, committing its one-token sequences
+        now (their path ``[0]`` needs no verification; steps without drafts have no commit).
+
+        Args:
+            scratch: the forward's level scratch of ``rec.states`` (required with states).
+        """
+        single = {n: [0] for n, q in enumerate(rec.layout.seq_lens) if q == 1}
+        if rec.conv_buf is not None:
+            commit_conv_buffer(rec.conv_buf, rec.layout, rec.prior, rec.conv_inputs, single)
+        if rec.states is not None:
+            commit_single_tokens(rec.states, rec.layout, scratch)
+        rec.done = frozenset(single)
+        self.records.append(rec)
 
     def layout(self, key: Any, build: Callable[[], tuple], width: int | None = None,
                keep: Any = None) -> tuple[RecurrentTreeLayout, torch.Tensor | None]:

@@ -4,7 +4,9 @@ Replaces the body of vLLM's ``_spec_forward`` (``vllm/model_executor/layers/mamb
 gdn_attention.py``) while a DDTree hybrid step is active: the conv runs over each node's
 ancestor window, and the recurrence runs one depth level at a time through vLLM's own one-token
 decode kernel (``ops.fused_sigmoid_gating_delta_rule_update_cpu``, the kernel target-only
-decoding uses), each node starting from its parent's state. Prefill rows stay vLLM's.
+decoding uses), each node starting from its parent's state in the oracle's level scratch; the
+accepted path is replayed into vLLM's state block after verification
+(:mod:`vllm_ddtree.hybrid.oracle`). Prefill rows stay vLLM's.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from vllm_ddtree.hybrid.context import HybridTreeContext, RecurrentRecord
 from vllm_ddtree.hybrid.oracle import (
     RecurrentTreeLayout,
     gather_conv_windows,
+    load_committed,
     read_conv_windows,
     run_tree_levels,
-    write_conv_buffer,
 )
 
 
@@ -117,34 +119,42 @@ def tree_spec_forward(
 
     prior = read_conv_windows(conv_buf, layout, width)
     windows = gather_conv_windows(mixed_qkv_spec, prior, index)
+    conv_inputs = mixed_qkv_spec.clone()  # kept for the commit after verification
     conv_out = decode_conv(layer, mixed_qkv_spec, windows, unpacked_conv_weight)
-    write_conv_buffer(conv_buf, layout, prior, mixed_qkv_spec)
 
     import vllm._custom_ops as ops
 
     query, key, value = layer.rearrange_mixed_qkv(conv_out)  # each [1, T, heads, dim]
+    a_spec, b_spec = a_spec.clone(), b_spec.clone()  # kept for the replay after verification
     T = mixed_qkv_spec.shape[0]
     out = torch.empty(T, value.shape[-2], value.shape[-1], dtype=mixed_qkv_spec.dtype,
                       device=mixed_qkv_spec.device)
 
-    def step(level: torch.Tensor, dst: torch.Tensor) -> None:
-        lv = level.to(query.device)
-        n = lv.numel()
-        o = ops.fused_sigmoid_gating_delta_rule_update_cpu(
-            A_log=layer.A_log,
-            dt_bias=layer.dt_bias,
-            q=query[:, lv].contiguous(),
-            k=key[:, lv].contiguous(),
-            v=value[:, lv].contiguous(),
-            a=a_spec[lv].contiguous(),
-            b=b_spec[lv].contiguous(),
-            initial_state_source=ssm_state,
-            initial_state_indices=dst.to(torch.int32),
-            cu_seqlens=torch.arange(n + 1, dtype=torch.int32),
-            use_qk_l2norm_in_kernel=True,
-        )
-        out[lv] = o.reshape(n, out.shape[1], out.shape[2]).to(out.dtype)
+    def advance(lay: RecurrentTreeLayout, scratch: torch.Tensor,
+                out: torch.Tensor | None = None) -> None:
+        def step(level: torch.Tensor, dst: torch.Tensor) -> None:
+            lv = level.to(query.device)
+            n = lv.numel()
+            o = ops.fused_sigmoid_gating_delta_rule_update_cpu(
+                A_log=layer.A_log,
+                dt_bias=layer.dt_bias,
+                q=query[:, lv].contiguous(),
+                k=key[:, lv].contiguous(),
+                v=value[:, lv].contiguous(),
+                a=a_spec[lv].contiguous(),
+                b=b_spec[lv].contiguous(),
+                initial_state_source=scratch,
+                initial_state_indices=dst.to(torch.int32),
+                cu_seqlens=torch.arange(n + 1, dtype=torch.int32),
+                use_qk_l2norm_in_kernel=True,
+            )
+            if out is not None:
+                out[lv] = o.reshape(n, out.shape[1], out.shape[2]).to(out.dtype)
 
-    run_tree_levels(layout, ssm_state, step)
-    ctx.records.append(RecurrentRecord(conv_buf, ssm_state, layout, width))
+        run_tree_levels(lay, scratch, step)
+
+    scratch = load_committed(layout, ssm_state)
+    advance(layout, scratch, out)
+    ctx.record(RecurrentRecord(layout, width, conv_buf, prior, conv_inputs, ssm_state, advance),
+               scratch)
     return out

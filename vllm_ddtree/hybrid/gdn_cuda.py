@@ -11,11 +11,13 @@ made of the same kernels' one-token calls:
 
 * conv: every node's window is its ancestor path (continuing the committed window), and one
   call of vLLM's conv update runs all nodes as one-token decode rows;
-* recurrence: one batched call of vLLM's fused GDN update per tree depth, one token per node.
-  Each node's row gets state indices ``[node slot, parent slot]`` and ``num_accepted_tokens = 2``:
-  the kernel's own spec-decode addressing then reads the state before the token from the
-  parent's slot (column ``num_accepted - 1``) and writes the state after it to the node's slot
-  (column ``0``), so no state is copied.
+* recurrence: one batched call of vLLM's fused GDN update per tree depth, one token per node,
+  in the oracle's level scratch (:mod:`vllm_ddtree.hybrid.oracle`). Each node's row gets state
+  indices ``[node row, parent row]`` and ``num_accepted_tokens = 2``: the kernel's own
+  spec-decode addressing then reads the state before the token from the parent's row (column
+  ``num_accepted - 1``) and writes the state after it to the node's row (column ``0``), so no
+  state is copied. After verification the same calls replay the accepted path into vLLM's
+  state block (:meth:`~vllm_ddtree.hybrid.context.RecurrentRecord.commit`).
 
 Prefill rows, non-speculative decode rows and every other engine stay vLLM's. The rows' outputs
 and the re-layout after verification are those of the CPU path (:mod:`.gdn_cpu`); the layout
@@ -32,10 +34,11 @@ import torch
 from vllm_ddtree.hybrid.context import HybridTreeContext, RecurrentRecord
 from vllm_ddtree.hybrid.gdn_cpu import gdn_layout
 from vllm_ddtree.hybrid.oracle import (
+    RecurrentTreeLayout,
     conv_through_kernel,
     gather_conv_windows,
+    load_committed,
     read_conv_windows,
-    write_conv_buffer,
 )
 
 
@@ -74,8 +77,8 @@ def tree_conv_update(
     Args:
         original: vLLM's Triton ``causal_conv1d_update`` (as the GDN module imported it).
         x: ``[T, dim]`` pre-conv ``mixed_qkv`` of the speculative rows (spec order).
-        conv_state: ``[slots, dim, W - 1 + K]`` the layer's conv cache view (written in place:
-            ``[window[1:], x_0 … x_n]`` per request, as :func:`write_conv_buffer` lays it).
+        conv_state: ``[slots, dim, W - 1 + K]`` the layer's conv cache view (read here; the
+            commit after verification writes the accepted path's inputs).
         weight: ``[dim, W]``; bias: ``[dim]``; activation: as vLLM passes it.
 
     Returns:
@@ -86,9 +89,9 @@ def tree_conv_update(
     layout, index = gdn_layout(ctx, md, width)
     prior = read_conv_windows(conv_state, layout, width)
     windows = gather_conv_windows(x, prior, index)
-    write_conv_buffer(conv_state, layout, prior, x)  # first: the Triton op overwrites x
+    x_in = x.clone()  # first: the Triton op overwrites x
     out = conv_through_kernel(original, x, windows, conv_state, weight, bias, activation)
-    ctx.records.append(RecurrentRecord(conv_state, None, layout, width))
+    ctx.record(RecurrentRecord(layout, width, conv_state, prior, x_in))
     return out.to(x.dtype)
 
 
@@ -112,8 +115,9 @@ def tree_gated_delta_update(
         original: vLLM's ``fused_sigmoid_gating_delta_rule_update``.
         A_log, dt_bias: ``[HV]``; a, b: ``[T, HV]`` gate inputs of the speculative rows.
         q, k: ``[1, T, H, K]``; v: ``[1, T, HV, V]`` (after the conv, spec order).
-        initial_state: ``[slots, HV, V, K]`` the layer's recurrent-state cache; row ``t`` of a
-            request's state indices receives the state after node ``t`` (vLLM's spec layout).
+        initial_state: ``[slots, HV, V, K]`` the layer's recurrent-state cache: the committed
+            states are read from it; the nodes' states live in a level scratch, and the commit
+            after verification writes the accepted path's state to block ``a``.
         kwargs: vLLM's other arguments (``use_qk_l2norm_in_kernel``, ``scale``, …), passed on;
             its ``cu_seqlens`` / ``ssm_state_indices`` / ``num_accepted_tokens`` /
             ``inplace_final_state`` are replaced per depth level.
@@ -126,19 +130,28 @@ def tree_gated_delta_update(
     for name in ("cu_seqlens", "ssm_state_indices", "num_accepted_tokens", "inplace_final_state"):
         kwargs.pop(name, None)
     dev = q.device
+    # Copies: the replay after verification reads them after later layers reuse the buffers.
+    q, k, v, a, b = (t.clone() for t in (q, k, v, a, b))
     o = torch.empty(1, q.shape[1], v.shape[2], v.shape[3], dtype=q.dtype, device=dev)
-    for level in layout.levels:
-        lv = level.to(dev)
-        n = lv.numel()
-        slots = torch.stack([layout.dst_slots[level], layout.src_slots[level]], dim=1)
-        out, _ = original(
-            A_log=A_log, a=a[lv], b=b[lv], dt_bias=dt_bias, q=q[:, lv], k=k[:, lv], v=v[:, lv],
-            initial_state=initial_state, inplace_final_state=True,
-            cu_seqlens=torch.arange(n + 1, dtype=torch.int32, device=dev),
-            ssm_state_indices=slots.to(dev, torch.int32),
-            num_accepted_tokens=torch.full((n,), 2, dtype=torch.int32, device=dev),
-            **kwargs,
-        )
-        o[:, lv] = out.reshape(1, n, *o.shape[2:]).to(o.dtype)
-    ctx.records.append(RecurrentRecord(None, initial_state, layout, 0))
+
+    def advance(lay: RecurrentTreeLayout, scratch: torch.Tensor,
+                out: torch.Tensor | None = None) -> None:
+        for level in lay.levels:
+            lv = level.to(dev)
+            n = lv.numel()
+            rows = torch.stack([lay.dst_slots[level], lay.src_slots[level]], dim=1)
+            got, _ = original(
+                A_log=A_log, a=a[lv], b=b[lv], dt_bias=dt_bias, q=q[:, lv], k=k[:, lv],
+                v=v[:, lv], initial_state=scratch, inplace_final_state=True,
+                cu_seqlens=torch.arange(n + 1, dtype=torch.int32, device=dev),
+                ssm_state_indices=rows.to(dev, torch.int32),
+                num_accepted_tokens=torch.full((n,), 2, dtype=torch.int32, device=dev),
+                **kwargs,
+            )
+            if out is not None:
+                out[:, lv] = got.reshape(1, n, *out.shape[2:]).to(out.dtype)
+
+    scratch = load_committed(layout, initial_state)
+    advance(layout, scratch, o)
+    ctx.record(RecurrentRecord(layout, states=initial_state, advance=advance), scratch)
     return o, initial_state

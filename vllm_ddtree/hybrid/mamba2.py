@@ -6,7 +6,9 @@ the Triton conv and the Triton or FlashInfer SSU backend; on CPU vLLM's C++ ops)
 DDTree hybrid step is active, their speculative calls (2-D ``state_indices``, one row of
 ``K + 1`` slots per request) are replaced here: each node's conv window is gathered along its
 ancestor path, and its SSM state is advanced from its parent's, one depth level at a time, by
-the same one-token calls target-only decoding makes (narrow conv state, one slot per row).
+the same one-token calls target-only decoding makes (narrow conv state, one slot per row), in
+the oracle's level scratch; after verification the accepted path is replayed into vLLM's state
+block and its conv inputs laid into the conv buffer (:mod:`vllm_ddtree.hybrid.oracle`).
 
 On CPU vLLM 0.32 both ops are wrong in speculative mode even for a chain (the conv ignores
 ``num_accepted_tokens`` and reads a wider state as extra taps; the SSM ignores
@@ -25,9 +27,9 @@ from vllm_ddtree.hybrid.oracle import (
     RecurrentTreeLayout,
     conv_through_kernel,
     gather_conv_windows,
+    load_committed,
     read_conv_windows,
     run_tree_levels,
-    write_conv_buffer,
 )
 
 
@@ -78,9 +80,9 @@ def tree_conv_update(
     layout, index = _layout(ctx, conv_state_indices, num_accepted_tokens, query_start_loc, width)
     prior = read_conv_windows(conv_state, layout, width)
     windows = gather_conv_windows(x, prior, index)
-    write_conv_buffer(conv_state, layout, prior, x)  # first: the Triton op overwrites x
+    x_in = x.clone()  # first: the Triton op overwrites x
     out = conv_through_kernel(original, x, windows, conv_state, weight, bias, activation)
-    ctx.records.append(RecurrentRecord(conv_state, None, layout, width))
+    ctx.record(RecurrentRecord(layout, width, conv_state, prior, x_in))
     return out
 
 
@@ -104,9 +106,11 @@ def tree_state_update(
 ) -> torch.Tensor:
     """The speculative SSM update of a Mamba2 mixer, every node from its parent's state.
 
-    Each depth level: parents' states are copied into the children's slots, then vLLM's
-    ``selective_state_update`` advances them one token in place (vLLM's CPU op writes the
-    source slot too, so it is never given a parent's or the committed slot).
+    Each depth level, in the oracle's level scratch: parents' states are copied into the
+    children's rows, then vLLM's ``selective_state_update`` advances them one token in place
+    (vLLM's CPU op writes the source row too, so it is never given a parent's row). vLLM's
+    state blocks are only read here; the commit after verification replays the accepted path
+    into block ``a``.
 
     Args:
         state: ``[slots, H, P, N]``; x, dt: ``[T, H, P]``; A: ``[H, P, N]``; B, C:
@@ -117,16 +121,24 @@ def tree_state_update(
         ``out``.
     """
     layout, _ = _layout(ctx, state_batch_indices, num_accepted_tokens, cu_seqlens, None)
+    # Copies: the replay after verification reads them after later layers reuse the buffers.
+    x, dt, B, C = (t.clone() for t in (x, dt, B, C))
 
-    def step(level: torch.Tensor, dst: torch.Tensor) -> None:
-        lv = level.to(x.device)
-        slots = dst.to(torch.int32).view(-1, 1)
-        tmp = torch.empty_like(out[lv])
-        original(state, x[lv], dt[lv], A, B[lv], C[lv], D=D, dt_bias=dt_bias,
-                 dt_softplus=dt_softplus, state_batch_indices=slots,
-                 dst_state_batch_indices=slots, out=tmp, **extra)
-        out[lv] = tmp
+    def advance(lay: RecurrentTreeLayout, scratch: torch.Tensor,
+                dest: torch.Tensor | None = None) -> None:
+        def step(level: torch.Tensor, dst: torch.Tensor) -> None:
+            lv = level.to(x.device)
+            rows = dst.to(torch.int32).view(-1, 1)
+            tmp = out.new_empty((lv.numel(), *out.shape[1:]))
+            original(scratch, x[lv], dt[lv], A, B[lv], C[lv], D=D, dt_bias=dt_bias,
+                     dt_softplus=dt_softplus, state_batch_indices=rows,
+                     dst_state_batch_indices=rows, out=tmp, **extra)
+            if dest is not None:
+                dest[lv] = tmp
 
-    run_tree_levels(layout, state, step)
-    ctx.records.append(RecurrentRecord(None, state, layout, 0))
+        run_tree_levels(lay, scratch, step)
+
+    scratch = load_committed(layout, state)
+    advance(layout, scratch, out)
+    ctx.record(RecurrentRecord(layout, states=state, advance=advance), scratch)
     return out

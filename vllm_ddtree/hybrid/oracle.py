@@ -7,20 +7,26 @@ window is the inputs along its **ancestor path**, continuing into the committed 
 the root. Nodes of one tree depth are independent, so a layer runs one batched one-token step
 per depth level (design: ``shared/research/vllm-integration.md`` §6.5).
 
-Storage follows vLLM's speculative layout for hybrid models (``vllm/v1/kv_cache_interface.py``
-``MambaSpec.num_speculative_blocks``; ``vllm/model_executor/layers/mamba/ops/cpu/
-gdn_attention.py`` ``_spec_forward``), so vLLM's own bookkeeping (``num_accepted_tokens``, the
-prefill path, preemption) stays valid:
+Storage. vLLM keeps ``1 + num_speculative_blocks`` state blocks per request and layer
+(``vllm/v1/kv_cache_interface.py`` ``MambaSpec``) and reads them as a chain
+(``vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py`` ``_spec_forward``): a step starts
+from the recurrent state in block ``num_accepted - 1`` of the previous step and from the conv
+window at columns ``[num_accepted - 1, num_accepted - 1 + W - 1)`` of the request's conv buffer
+(block 0, ``[dim, W - 1 + K]``). The oracle leaves vLLM's blocks alone during the forward:
 
-* recurrent state: row ``t`` of a request's ``state_indices[K + 1]`` holds the state after node
-  ``t``; a step starts from slot ``num_accepted - 1`` of the previous step;
-* conv state: one rolling buffer per request (slot ``state_indices[0]``, ``[dim, W - 1 + K]``);
-  a step reads its committed window at columns ``[num_accepted - 1, num_accepted - 1 + W - 1)``.
+* every node's state lives in a per-layer-call **level scratch**: rows ``1 … N`` hold copies of
+  the committed states, in which the roots advance; the nodes of depth ``d >= 1`` take rows of
+  region ``(d - 1) % 2`` (two alternating regions, each as large as the widest odd / even
+  level), so a layer keeps the states of two adjacent levels at a time, not one per node;
+* each layer call keeps its tokens' recurrent inputs and pre-conv inputs (:class:`LayerReplay`);
+* after verification :func:`commit_accepted_paths` **replays** each accepted path
+  ``[0, n_1 … n_a]`` from the committed state with the same one-token calls (so the state is
+  bit-identical to the node's state in the forward) and writes it to block ``a``, and lays the
+  path's conv inputs into the buffer in chain order (column ``W - 2 + j`` ← node ``n_j``): what a
+  chain of ``a`` accepted drafts would have left, where vLLM's chain bookkeeping reads it.
 
-Our forward writes the buffer as ``[window[1:], x_0 … x_n]`` (node ``i`` at column ``W - 2 + i``);
-after verification :func:`relayout_conv_buffer` / :func:`relayout_recurrent_state` move the
-accepted path ``[0, n_1 … n_a]`` into chain order (column ``W - 2 + j`` ← node ``n_j``; slot ``a`` ←
-slot ``n_a``), which is exactly what a chain of ``a`` accepted drafts would have left.
+Only the accepted path is written, so vLLM needs ``L + 1`` state blocks per request (the
+drafter horizon), not ``max(B, L) + 1`` (:func:`vllm_ddtree.patches` sizes them).
 
 The ``*_reference`` steps are plain fp32 formulas of each layer kind, used by the tests as the
 oracle that vLLM's kernels (and this module's tree walk) are checked against.
@@ -40,7 +46,9 @@ class RecurrentTreeLayout:
     """The draft trees of one recurrent layer call, flattened over its speculative rows.
 
     ``T`` tokens (all speculative rows of the call, sequence after sequence, node order inside
-    a sequence) in ``N`` sequences.
+    a sequence) in ``N`` sequences. States advance in a level scratch (module docstring):
+    ``[num_scratch_rows, *state]``, row 0 unused (vLLM's null slot), rows ``1 … N`` the
+    committed states.
 
     Attributes:
         seq_starts: ``[N]`` first token of each sequence.
@@ -49,10 +57,14 @@ class RecurrentTreeLayout:
         parents: ``[T]`` long, flat index of each token's parent, ``-1`` for a root.
         depths: ``[T]`` long, tree depth (root 0).
         levels: flat token indices of each depth, roots first; parents precede children.
-        src_slots: ``[T]`` long, state slot holding the state *before* the token (the parent's
-            slot, or the committed slot ``state_indices[n, num_accepted[n] - 1]`` for a root).
-        dst_slots: ``[T]`` long, state slot receiving the state *after* the token
-            (``state_indices[n, local index]``).
+        src_slots: ``[T]`` long, scratch row holding the state *before* the token (the parent's
+            row, or ``1 + n`` — the committed copy — for the root of sequence ``n``, which
+            advances in place there); ``-1`` for a token outside ``levels``.
+        dst_slots: ``[T]`` long, scratch row receiving the state *after* the token (``-1``
+            outside ``levels``).
+        num_scratch_rows: rows of the level scratch.
+        state_indices: ``[N, C]`` long, each sequence's vLLM state blocks (CPU).
+        committed_slots: ``[N]`` long, ``state_indices[n, num_accepted[n] - 1]``.
         conv_slots: ``[N]`` long, the conv buffer slot of each sequence (``state_indices[n, 0]``).
         read_offsets: ``[N]`` long, ``num_accepted - 1``: where the committed conv window starts.
         is_tree: ``[N]`` bool, False where the sequence is a plain chain.
@@ -66,6 +78,9 @@ class RecurrentTreeLayout:
     levels: list[torch.Tensor]
     src_slots: torch.Tensor
     dst_slots: torch.Tensor
+    num_scratch_rows: int
+    state_indices: torch.Tensor
+    committed_slots: torch.Tensor
     conv_slots: torch.Tensor
     read_offsets: torch.Tensor
     is_tree: list[bool]
@@ -73,6 +88,26 @@ class RecurrentTreeLayout:
     @property
     def num_tokens(self) -> int:
         return int(sum(self.seq_lens))
+
+
+def _level_rows(levels: Sequence[torch.Tensor], parents: torch.Tensor, seq_of: torch.Tensor,
+                num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Scratch rows of the tokens in ``levels``: ``(src_rows [T], dst_rows [T], num_rows)``,
+    ``-1`` outside ``levels``. A root advances in place in its committed copy (row ``1 + n``,
+    kept for the whole call); depth ``d >= 1`` takes region ``(d - 1) % 2`` after those."""
+    T = parents.numel()
+    src = torch.full((T,), -1, dtype=torch.long)
+    dst = torch.full((T,), -1, dtype=torch.long)
+    widths = [int(lv.numel()) for lv in levels[1:]]
+    region = [max(widths[0::2], default=0), max(widths[1::2], default=0)]
+    base = [1 + num_seqs, 1 + num_seqs + region[0]]
+    for d, lv in enumerate(levels):
+        if d == 0:
+            dst[lv] = src[lv] = 1 + seq_of[lv]
+            continue
+        dst[lv] = base[(d - 1) % 2] + torch.arange(lv.numel())
+        src[lv] = dst[parents[lv]]
+    return src, dst, 1 + num_seqs + region[0] + region[1]
 
 
 def build_recurrent_layout(
@@ -87,8 +122,9 @@ def build_recurrent_layout(
     Args:
         seq_lens: tokens of each speculative sequence (``spec_query_start_loc`` differences).
         batch_index: input-batch row of each sequence.
-        state_indices: ``[N, K + 1]`` int, each sequence's state slots (vLLM's
-            ``spec_state_indices_tensor`` / ``state_indices_tensor_d``).
+        state_indices: ``[N, C]`` int, each sequence's state blocks (vLLM's
+            ``spec_state_indices_tensor`` / ``state_indices_tensor_d``; ``C = L + 1`` for a
+            DDTree engine, fewer than a tree's nodes).
         num_accepted: ``[N]`` int, vLLM's ``num_accepted_tokens`` (tokens committed by the
             previous step, ≥ 1).
         tree_parents: ``batch_index -> [n + 1]`` parents (``-1`` first) of the sequences that
@@ -99,17 +135,18 @@ def build_recurrent_layout(
 
     Raises:
         RuntimeError: a tree's node count differs from the tokens vLLM scheduled for it, or a
-            sequence has more tokens than state slots.
+            sequence's committed block lies outside its state blocks.
     """
     idx = state_indices.to("cpu", torch.long)
     acc = num_accepted.to("cpu", torch.long)
-    parents, depths, src, dst, starts, is_tree = [], [], [], [], [], []
+    parents, depths, committed, starts, is_tree, seq_of = [], [], [], [], [], []
     start = 0
     for n, (q, b) in enumerate(zip(seq_lens, batch_index)):
         q = int(q)
-        if q > idx.shape[1]:
+        if not 1 <= int(acc[n]) <= idx.shape[1]:
             raise RuntimeError(
-                f"DDTree hybrid: {q} tokens for a request with {idx.shape[1]} state slots")
+                f"DDTree hybrid: num_accepted_tokens {int(acc[n])} for a request with "
+                f"{idx.shape[1]} state blocks")
         local = tree_parents.get(int(b))
         if local is not None and local.numel() != q:
             raise RuntimeError(
@@ -122,30 +159,79 @@ def build_recurrent_layout(
         d = torch.zeros(q, dtype=torch.long)
         for t in range(1, q):
             d[t] = d[local[t]] + 1
-        row = idx[n, :q]
-        committed = idx[n, int(acc[n]) - 1]
-        src.append(torch.where(local >= 0, row[local.clamp(min=0)], committed))
-        dst.append(row)
+        committed.append(int(idx[n, int(acc[n]) - 1]))
         parents.append(torch.where(local >= 0, local + start, local))
         depths.append(d)
+        seq_of.append(torch.full((q,), n, dtype=torch.long))
         starts.append(start)
         start += q
     cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long)  # noqa: E731
-    depth = cat(depths)
+    depth, parent = cat(depths), cat(parents)
     num_levels = int(depth.max()) + 1 if depth.numel() else 0
+    levels = [torch.nonzero(depth == lv).flatten() for lv in range(num_levels)]
+    src, dst, rows = _level_rows(levels, parent, cat(seq_of), len(starts))
     return RecurrentTreeLayout(
         seq_starts=starts,
         seq_lens=[int(q) for q in seq_lens],
         batch_index=[int(b) for b in batch_index],
-        parents=cat(parents),
+        parents=parent,
         depths=depth,
-        levels=[torch.nonzero(depth == lv).flatten() for lv in range(num_levels)],
-        src_slots=cat(src),
-        dst_slots=cat(dst),
-        conv_slots=idx[:, 0].clone() if idx.numel() else torch.zeros(0, dtype=torch.long),
+        levels=levels,
+        src_slots=src,
+        dst_slots=dst,
+        num_scratch_rows=rows,
+        state_indices=idx[: len(starts)],
+        committed_slots=torch.tensor(committed, dtype=torch.long),
+        conv_slots=idx[: len(starts), 0].clone() if idx.numel() else torch.zeros(0, dtype=torch.long),
         read_offsets=acc[: len(seq_lens)] - 1,
         is_tree=is_tree,
     )
+
+
+def path_layout(layout: RecurrentTreeLayout, paths: Mapping[int, Sequence[int]]) -> RecurrentTreeLayout:
+    """The accepted paths of some sequences of ``layout`` as chains, for the replay.
+
+    Args:
+        layout: the layer call's tree layout.
+        paths: sequence index ``n`` -> its accepted path ``[0, n_1 … n_a]`` (local node indices,
+            each node's parent the one before it).
+
+    Returns:
+        a layout over the same ``T`` tokens whose ``levels`` hold path position ``j`` of every
+        path (tokens off the paths are in no level); every token of sequence ``n``'s path reads
+        and writes scratch row ``1 + n`` (its committed copy), so the final state ends there;
+        everything else is ``layout``'s.
+
+    Raises:
+        ValueError: a path does not start at the root or does not follow the tree.
+    """
+    T = layout.num_tokens
+    parents = torch.full((T,), -1, dtype=torch.long)
+    by_pos: list[list[int]] = []
+    for n, path in paths.items():
+        s = layout.seq_starts[n]
+        prev = -1
+        for j, node in enumerate(path):
+            t = s + int(node)
+            if (j == 0) != (node == 0) or (j > 0 and int(layout.parents[t]) != prev):
+                raise ValueError(f"sequence {n}: {list(path)} is not a root-to-node path")
+            parents[t] = prev
+            prev = t
+            if j == len(by_pos):
+                by_pos.append([])
+            by_pos[j].append(t)
+    levels = [torch.tensor(sorted(ts), dtype=torch.long) for ts in by_pos]
+    # A chain advances in place in its committed copy: O(1) scratch rows per sequence, and
+    # the final state is still there when the shorter paths are done.
+    seq_of = torch.repeat_interleave(torch.arange(len(layout.seq_lens)),
+                                     torch.tensor(layout.seq_lens, dtype=torch.long))
+    rows = torch.full((T,), -1, dtype=torch.long)
+    for lv in levels:
+        rows[lv] = 1 + seq_of[lv]
+    return RecurrentTreeLayout(
+        layout.seq_starts, layout.seq_lens, layout.batch_index, parents, layout.depths, levels,
+        rows, rows.clone(), 1 + len(layout.seq_lens), layout.state_indices,
+        layout.committed_slots, layout.conv_slots, layout.read_offsets, layout.is_tree)
 
 
 def conv_window_index(layout: RecurrentTreeLayout, width: int) -> torch.Tensor:
@@ -263,25 +349,21 @@ def read_conv_windows(conv_buf: torch.Tensor, layout: RecurrentTreeLayout, width
     return conv_buf[slots.to(dev), :, cols.to(dev)].permute(0, 2, 1).clone()
 
 
-def write_conv_buffer(
-    conv_buf: torch.Tensor, layout: RecurrentTreeLayout, prior: torch.Tensor, x: torch.Tensor
-) -> None:
-    """Lay this step's conv inputs into each sequence's rolling buffer, in node order.
-
-    Column ``c < W - 2`` gets ``prior[..., c + 1]``; column ``W - 2 + i`` gets node ``i``'s input.
-    For a chain this is the layout vLLM's CPU speculative path leaves for ``q = K + 1`` tokens.
+def load_committed(layout: RecurrentTreeLayout, states: torch.Tensor) -> torch.Tensor:
+    """A level scratch for ``layout``, rows ``1 … N`` holding each sequence's committed state.
 
     Args:
-        conv_buf: ``[slots, dim, W - 1 + K]`` the layer's conv cache (a view; written in place).
-        prior: ``[N, dim, W - 1]`` from :func:`read_conv_windows` (read before this call).
-        x: ``[T, dim]`` pre-conv inputs.
+        states: ``[slots, ...]`` the layer's recurrent-state cache (read only).
+
+    Returns:
+        ``[layout.num_scratch_rows, ...]`` in ``states``' dtype and device; rows past ``N`` are
+        uninitialised (each level writes its rows before they are read).
     """
-    m = prior.shape[-1]
-    for n, (s, q) in enumerate(zip(layout.seq_starts, layout.seq_lens)):
-        buf = conv_buf[int(layout.conv_slots[n])]
-        if m > 1:
-            buf[:, : m - 1] = prior[n, :, 1:]
-        buf[:, m - 1 : m - 1 + q] = x[s : s + q].transpose(0, 1).to(buf.dtype)
+    scratch = states.new_empty((layout.num_scratch_rows, *states.shape[1:]))
+    n = len(layout.seq_lens)
+    if n:
+        scratch[1 : n + 1] = states.index_select(0, layout.committed_slots.to(states.device))
+    return scratch
 
 
 def run_tree_levels(
@@ -293,11 +375,11 @@ def run_tree_levels(
 
     For each level: copy ``states[src] -> states[dst]`` for the level's tokens, then
     ``step(tokens, dst)`` must advance ``states[dst[i]]`` in place by token ``tokens[i]`` (and
-    write its output). Nodes of one level never share a slot, and their parents' slots were
+    write its output). Nodes of one level never share a row, and their parents' rows were
     finished at the previous level.
 
     Args:
-        states: ``[slots, ...]`` the layer's recurrent-state cache (one entry per slot).
+        states: ``[rows, ...]`` the level scratch (:func:`load_committed`).
         step: the layer kind's batched one-token update (vLLM's kernel, or a reference).
     """
     dev = states.device
@@ -308,30 +390,102 @@ def run_tree_levels(
         step(level, dst)
 
 
-def relayout_conv_buffer(buf: torch.Tensor, accepted: Sequence[int], width: int) -> None:
-    """Put the accepted path's conv inputs in chain order, in place.
+#: ``advance(layout, scratch)``: run every token of ``layout.levels`` through the layer kind's
+#: one-token update in the level scratch (:func:`run_tree_levels`, or one kernel call per
+#: level that reads the parent's row and writes the node's).
+Advance = Callable[[RecurrentTreeLayout, torch.Tensor], None]
+
+
+def _check_path_fits(layout: RecurrentTreeLayout, n: int, path: Sequence[int]) -> None:
+    if len(path) > layout.state_indices.shape[1]:
+        raise RuntimeError(
+            f"DDTree hybrid: an accepted path of {len(path)} tokens for a request with "
+            f"{layout.state_indices.shape[1]} state blocks (sequence {n})")
+
+
+def commit_states(
+    states: torch.Tensor,
+    layout: RecurrentTreeLayout,
+    paths: Mapping[int, Sequence[int]],
+    advance: Advance,
+) -> None:
+    """Write each accepted path's final state to block ``a`` of its sequence (``a + 1`` tokens),
+    where vLLM's chain bookkeeping (``num_accepted_tokens = a + 1``) reads it next step.
+
+    The path is replayed from the committed state through ``advance`` — the same one-token
+    calls the forward made, on the same inputs — so the state is the forward's node state bit
+    for bit.
 
     Args:
-        buf: ``[dim, W - 1 + K]`` one request's conv buffer after :func:`write_conv_buffer`.
-        accepted: node indices of the accepted path ``[0, n_1 … n_a]`` (increasing).
+        states: ``[slots, ...]`` the layer's recurrent-state cache (written in place).
+        layout: the layer call's tree layout; paths: sequence index -> ``[0, n_1 … n_a]``.
+        advance: the layer call's replay (it holds the call's recurrent inputs).
+
+    Raises:
+        RuntimeError: a path is longer than the sequence's state blocks.
+        ValueError: a path is not a root-to-node path of the tree.
     """
-    base = width - 2
-    for j, node in enumerate(accepted):
-        if node != j:  # node >= j, and columns > base + j are not written yet: in-place safe
-            buf[:, base + j] = buf[:, base + node]
+    if not paths:
+        return
+    for n, path in paths.items():
+        _check_path_fits(layout, n, path)
+    chains = path_layout(layout, paths)
+    scratch = load_committed(chains, states)
+    advance(chains, scratch)
+    rows = [int(chains.dst_slots[layout.seq_starts[n] + int(p[-1])]) for n, p in paths.items()]
+    slots = [int(layout.state_indices[n, len(p) - 1]) for n, p in paths.items()]
+    dev = states.device
+    states.index_copy_(0, torch.tensor(slots, device=dev),
+                       scratch.index_select(0, torch.tensor(rows, device=dev)))
 
 
-def relayout_recurrent_state(states: torch.Tensor, slots: Sequence[int], accepted: Sequence[int]) -> None:
-    """Copy the accepted path's final state to slot ``a`` (where the next step resumes).
+def commit_single_tokens(states: torch.Tensor, layout: RecurrentTreeLayout,
+                         scratch: torch.Tensor) -> list[int]:
+    """Commit the sequences of one token (no drafts: the path is known before verification)
+    from the forward's scratch to block 0; returns their sequence indices."""
+    single = [n for n, q in enumerate(layout.seq_lens) if q == 1]
+    if single:
+        dev = states.device
+        rows = layout.dst_slots[[layout.seq_starts[n] for n in single]]
+        slots = layout.state_indices[single, 0]
+        states.index_copy_(0, slots.to(dev), scratch.index_select(0, rows.to(dev)))
+    return single
+
+
+def commit_conv_buffer(
+    conv_buf: torch.Tensor,
+    layout: RecurrentTreeLayout,
+    prior: torch.Tensor,
+    x: torch.Tensor,
+    paths: Mapping[int, Sequence[int]],
+) -> None:
+    """Lay each accepted path's conv inputs into its sequence's conv buffer in chain order.
+
+    Column ``c < W - 2`` gets ``prior[..., c + 1]``; column ``W - 2 + j`` gets path node
+    ``n_j``'s input. The next step reads its window at ``[a, a + W - 1)``: the last ``W - 1``
+    inputs of the committed chain, what vLLM's chain path leaves for ``a`` accepted drafts.
 
     Args:
-        states: ``[slots, ...]`` recurrent-state cache.
-        slots: the request's ``state_indices`` row (``[K + 1]``).
-        accepted: ``[0, n_1 … n_a]``.
+        conv_buf: ``[slots, dim, W - 1 + K']`` the layer's conv cache (a view; written in place).
+        prior: ``[N, dim, W - 1]`` from :func:`read_conv_windows` (read in the forward).
+        x: ``[T, dim]`` the call's pre-conv inputs.
+        paths: sequence index -> ``[0, n_1 … n_a]``.
+
+    Raises:
+        RuntimeError: a path does not fit the buffer or the state blocks.
     """
-    a, last = len(accepted) - 1, accepted[-1]
-    if last != a:
-        states[int(slots[a])] = states[int(slots[last])]
+    m = prior.shape[-1]
+    for n, path in paths.items():
+        _check_path_fits(layout, n, path)
+        buf = conv_buf[int(layout.conv_slots[n])]
+        if m - 1 + len(path) > buf.shape[-1]:
+            raise RuntimeError(
+                f"DDTree hybrid: an accepted path of {len(path)} tokens does not fit a conv "
+                f"buffer of {buf.shape[-1]} columns (conv width {m + 1})")
+        if m > 1:
+            buf[:, : m - 1] = prior[n, :, 1:]
+        rows = torch.tensor([layout.seq_starts[n] + int(p) for p in path], device=x.device)
+        buf[:, m - 1 : m - 1 + len(path)] = x.index_select(0, rows).transpose(0, 1).to(buf.dtype)
 
 
 # ----------------------------------------------------------------------------- references
