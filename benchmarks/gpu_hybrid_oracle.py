@@ -56,7 +56,9 @@ git); carry ``build/vllm-kernels`` to the GPU machine.
    (all levels; inputs already in level order, level index tensors prepared once, as a forward
    does once for all layers) versus one chain call of L + 1 = 16 tokens per request, for
    B in {16, 32, 64, 128, 256}, batch 1 and 8. Trees: a spine of depth 15 (16 levels, the
-   chain's length) plus random nodes of depth <= 15. Shapes:
+   chain's length) plus random nodes of depth <= 15. The plugin keeps the nodes' states in a
+   level scratch and, after verification, replays the accepted path (at most L + 1 one-token
+   launches per layer, batched over requests); that replay is not in the timed tree step. Shapes:
 
    * Qwen3.6-27B GatedDeltaNet layer: 16 key heads, 48 value heads, key/value head dim 128,
      conv kernel 4 (conv dim 10240), fp32 state (the model's ``mamba_ssm_dtype``), bf16
@@ -421,6 +423,8 @@ class Problem:
     layout: RecurrentTreeLayout
     state_indices: torch.Tensor  # [N, K + 1] int
     num_accepted: torch.Tensor  # [N]
+    src: torch.Tensor  # [T] slot of the state before each node (parent's, or committed)
+    dst: torch.Tensor  # [T] slot of the state after each node (every node its own slot)
     num_slots: int
     leaves_paths: list[list[int]]  # flat token indices root -> leaf, per leaf
     depths: list[int]
@@ -438,6 +442,12 @@ def make_problem(budgets, shapes, gen, max_depth=MAX_DEPTH) -> Problem:
         [len(t) for t in trees], list(range(n)), state_indices, num_accepted,
         {i: torch.tensor(t) for i, t in enumerate(trees)})
     parents = layout.parents.tolist()
+    # Every node its own slot (the layout's level scratch reuses rows; the per-node checks and
+    # the timed tree step keep every state).
+    dst = torch.cat([state_indices[i, : len(t)].long() for i, t in enumerate(trees)])
+    src = torch.where(layout.parents >= 0, dst[layout.parents.clamp(min=0)],
+                      layout.committed_slots.repeat_interleave(
+                          torch.tensor([len(t) for t in trees])))
     children = set(p for p in parents if p >= 0)
     paths = []
     for t in range(layout.num_tokens):
@@ -447,7 +457,7 @@ def make_problem(budgets, shapes, gen, max_depth=MAX_DEPTH) -> Problem:
                 path.append(cur)
                 cur = parents[cur]
             paths.append(path[::-1])
-    return Problem(layout, state_indices, num_accepted, num_slots, paths,
+    return Problem(layout, state_indices, num_accepted, src, dst, num_slots, paths,
                    layout.depths.tolist())
 
 
@@ -536,7 +546,7 @@ def check_gdn(k, chk, device, gen, dtype, dims, budgets, shapes, tag):
     A_log, dt_bias = (rnd(HV) * 0.5).to(dev), (rnd(HV) * 0.5).to(dev)
     init = (rnd(prob.num_slots, HV, Vd, Kd) * 0.5).to(dtype).to(dev)  # vLLM layout [V, K]
     state = init.clone()
-    src, dst = L.src_slots.to(dev), L.dst_slots.to(dev)
+    src, dst = prob.src.to(dev), prob.dst.to(dev)
 
     out = torch.zeros(T, HV, Vd, dtype=dtype, device=dev)
     for lv in _levels(L, dev):
@@ -609,7 +619,7 @@ def check_mamba2(k, chk, device, gen, dtype, dims, budgets, shapes, tag):
     L, T, dev = prob.layout, prob.layout.num_tokens, device
     m = _mamba_inputs(lambda *sh: torch.randn(*sh, generator=gen), T, dims, dtype, dev,
                       prob.num_slots)
-    src, dst = L.src_slots.to(dev), L.dst_slots.to(dev)
+    src, dst = prob.src.to(dev), prob.dst.to(dev)
     ref_states, ref_out = _reference_tree(
         L, lambda lv: m.init[src[lv]].float(),
         lambda prev, lv: mamba2_step_reference(prev, m.x[lv], m.dt[lv], m.A, m.B[lv], m.C[lv],
@@ -766,7 +776,7 @@ def _level_plan(prob, dev):
     """Per depth level of ``prob`` (tokens taken in level order): the slice, the slot index
     tensors each kernel wants, prepared once (a forward prepares them once for all layers)."""
     order = torch.cat(prob.layout.levels)
-    src, dst = prob.layout.src_slots[order], prob.layout.dst_slots[order]
+    src, dst = prob.src[order], prob.dst[order]
     plan, s = [], 0
     for lv in prob.layout.levels:
         e = s + lv.numel()
