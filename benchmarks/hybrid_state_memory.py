@@ -151,36 +151,34 @@ def tables(budget_gib: float = 40.0, l: int = 16, batch: int = 8, gpu_gib: float
     budgets = (16, 64, 256)
     cases = [("no speculation", 0), (f"DFlash chain L={l}", l)] + [
         (f"DDTree B={b} (K=max(B,L))", max(b, l)) for b in budgets]
+    header = ["| model | case | K | blocks/layer | per request, fp32 state | fit | "
+              "per request, bf16 state | fit |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+
+    def table(per_request, blocks) -> list[str]:
+        rows = []
+        for m in models:
+            for name, k in cases:
+                f32, b16 = per_request(m, k, 4), per_request(m, k, 2)
+                rows.append(f"| {m.name} | {name} | {k} | {blocks(k)} | {fmt(f32)} | "
+                            f"{int(budget // f32)} | {fmt(b16)} | {int(budget // b16)} |")
+        return rows
+
     out = [
         f"Before (vLLM's layout if asked for K = max(B, L) blocks): per request, K + 1 blocks per "
         f"recurrent layer, each block = conv window [conv_dim, W - 1 + K] (bf16) + recurrent "
         f"state; requests that fit in {budget_gib:g} GiB of recurrent-state memory (attention KV "
         "cache not counted).",
         "",
-        "| model | case | K | blocks/layer | per request, fp32 state | fit | "
-        "per request, bf16 state | fit |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for m in models:
-        for name, k in cases:
-            f32, b16 = vllm_layout_bytes(m, k, 4), vllm_layout_bytes(m, k, 2)
-            out.append(f"| {m.name} | {name} | {k} | {k + 1} | {fmt(f32)} | "
-                       f"{int(budget // f32)} | {fmt(b16)} | {int(budget // b16)} |")
-    out += [
+        *header,
+        *table(vllm_layout_bytes, lambda k: k + 1),
         "",
         f"DDTree's layout (L = {l}): per request, L + 1 blocks per recurrent layer "
         f"(num_speculative_blocks = L), each block still [conv_dim, W - 1 + K] (bf16) + "
         f"recurrent state; requests that fit in {budget_gib:g} GiB.",
         "",
-        "| model | case | K | blocks/layer | per request, fp32 state | fit | "
-        "per request, bf16 state | fit |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        *header,
+        *table(lambda m, k, b: ddtree_layout_bytes(m, k, l, b), lambda k: min(k, l) + 1),
     ]
-    for m in models:
-        for name, k in cases:
-            f32, b16 = ddtree_layout_bytes(m, k, l, 4), ddtree_layout_bytes(m, k, l, 2)
-            out.append(f"| {m.name} | {name} | {k} | {min(k, l) + 1} | {fmt(f32)} | "
-                       f"{int(budget // f32)} | {fmt(b16)} | {int(budget // b16)} |")
     out += [
         "",
         "DDTree's transient memory per request and step (not seen by vLLM's memory profiling). "
