@@ -39,14 +39,17 @@ def _params():
             for m in MAX_TOKENS]
 
 
-def _state_blocks(worker) -> list[tuple[int, tuple]]:
-    """Run in the worker (``collective_rpc``): ``(num_speculative_blocks, state shapes)`` of
-    every recurrent KV-cache group."""
+def _state_blocks(worker) -> tuple[set, int]:
+    """Run in the worker (``collective_rpc``): ``(num_speculative_blocks, conv state shape)``
+    of every recurrent KV-cache group, and the target's conv width W."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    groups = worker.model_runner.kv_cache_config.kv_cache_groups
-    return sorted({(g.kv_cache_spec.num_speculative_blocks, g.kv_cache_spec.shapes)
-                   for g in groups if isinstance(g.kv_cache_spec, MambaSpec)})
+    runner = worker.model_runner
+    hf = runner.vllm_config.model_config.hf_text_config
+    width = getattr(hf, "linear_conv_kernel_dim", None) or getattr(hf, "conv_kernel")
+    return ({(g.kv_cache_spec.num_speculative_blocks, tuple(g.kv_cache_spec.shapes[0]))
+             for g in runner.kv_cache_config.kv_cache_groups
+             if isinstance(g.kv_cache_spec, MambaSpec)}, width)
 
 
 def _sidesteps(depth: int, index: int) -> int:
@@ -86,9 +89,12 @@ def test_hybrid_greedy_equals_target_only(hybrid, budget, horizon):
         (blocks,) = llm.collective_rpc(_state_blocks)
     finally:
         release_llm(llm)
-    # vLLM keeps L speculative state blocks per request, not max(B, L): trees of up to 33
-    # nodes ran through L + 1 blocks
-    assert blocks and {b for b, _ in blocks} == {horizon}, blocks
+    # vLLM keeps L speculative state blocks per request, not max(B, L), each with a conv
+    # window of W - 1 + L columns: trees of up to 33 nodes ran through them
+    (groups, width) = blocks
+    assert groups and {b for b, _ in groups} == {horizon}, groups
+    assert all(width - 1 + horizon in conv and (budget <= horizon or width - 1 + budget not in conv)
+               for _, conv in groups), (groups, width)
     for label, out in (("random drafter", random_out), ("injected trees", injected_out)):
         problems = greedy_mismatches(hybrid["ref"], out, near_tie=hybrid["near_tie"])
         assert not problems, f"{hybrid['name']} B={budget} {label}: {problems}"

@@ -119,8 +119,8 @@ CHANGE_PATTERNS = {
     # module globals: ``torch.x.y = …`` / ``some_module.Name = …`` (lower-case owner, not self)
     "global swap": re.compile(r"^\s*(?!self\.)(torch|vllm|[a-z_]*module)\.[\w.]+\s*=[^=]"),
     "patch": re.compile(r"\bsetattr\("),
-    # attributes set on a step's output object vLLM hands around
-    "instance attribute": re.compile(r"^\s*(output|model_runner_output)\.\w+\s*=[^=]"),
+    # attributes set on a step's output object vLLM hands around, or on a model's layer
+    "instance attribute": re.compile(r"^\s*(output|model_runner_output|layer)\.\w+\s*=[^=]"),
     "distribution alias": re.compile(r"\bsys\.meta_path\.(insert|append|extend)\("),
 }
 

@@ -187,6 +187,7 @@ _GRANITE = "vllm.model_executor.models.granitemoehybrid"
 _OPS = "vllm._custom_ops"
 _QWEN_GDN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 _SAMPLER = "vllm.v1.sample.sampler"
+_SHAPES = "vllm.model_executor.layers.mamba.mamba_utils"
 _BATCH = "vllm.v1.worker.gpu_input_batch"
 _INT = "vllm_ddtree/integration.py"
 _V2 = "vllm_ddtree/runners/v2.py"
@@ -342,9 +343,33 @@ REGISTER: list[Change] = [
        "Recurrent layers of a DDTree engine (oracle mode) get L speculative state blocks per "
        "request (MambaSpec.num_speculative_blocks), not num_speculative_tokens = max(B, L): the "
        "oracle keeps tree nodes' states in a level scratch and writes only the accepted path "
-       "(at most L + 1 tokens) into vLLM's blocks. The overrides of MambaMixer2 (0.32, 0.33) and "
-       "QwenGatedDeltaNetAttention (0.33) call it through super() and keep the field.",
+       "(at most L + 1 tokens) into vLLM's blocks; the layer's conv window is computed for L "
+       "too. The overrides of MambaMixer2 (0.32, 0.33) and QwenGatedDeltaNetAttention (0.33) "
+       "call it through super() and keep the field.",
        both("(self, vllm_config)"), _P),
+    _c("vllm.platforms.interface:Platform._align_hybrid_block_size", "patch",
+       "Runs vLLM's Mamba/attention page-size alignment with the conv windows a DDTree engine "
+       "uses (W - 1 + L, see the two calculators below), so the Mamba page and the attention "
+       "block size follow L, not num_speculative_tokens = max(B, L). CpuPlatform and the base "
+       "update_block_size_for_backend call it.",
+       both("(cls, vllm_config, backend_cls)"), _P),
+    _c(f"{_SHAPES}:MambaStateShapeCalculator.gated_delta_net_state_shape", "patch",
+       "While a DDTree engine's state shapes are computed (the two patches above), the conv "
+       "window holds W - 1 + L columns (the committed window and the accepted path), not "
+       "W - 1 + max(B, L); elsewhere unchanged.",
+       both("(cls, tp_world_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, "
+            "conv_kernel_size, num_spec=0)"), _P),
+    _c(f"{_SHAPES}:MambaStateShapeCalculator.mamba2_state_shape", "patch",
+       "As gated_delta_net_state_shape, for Mamba2 layers.",
+       both("(cls, tp_world_size, intermediate_size, n_groups, num_heads, head_dim, "
+            "state_size, conv_kernel, num_spec=0)"), _P),
+    _c(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention.num_spec", "instance attribute",
+       "Set to L on each layer of a DDTree engine's loaded target (oracle mode, before vLLM "
+       "asks for the KV-cache spec): the layer sizes its conv window W - 1 + num_spec from it "
+       "(its only use), and the oracle uses W - 1 + L columns.", both(None), _GUARD),
+    _c(f"{_MIXER2}:MambaMixer2.num_spec", "instance attribute",
+       "Set to L as for GatedDeltaNet; the mixer's other reads are num_spec > 0 and "
+       "ReplaySSM's (not used with DDTree).", both(None), _GUARD),
     _c(f"{_MIXER2}:MambaMixer2.get_kv_cache_spec", "dependency",
        "Calls MambaBase.get_kv_cache_spec and keeps its num_speculative_blocks (the patch "
        "above sizes Mamba2's state blocks through it).",

@@ -44,6 +44,7 @@ error.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import importlib
@@ -119,12 +120,14 @@ def _install(module: str, qualname: str, make_wrapper: Callable[[Callable], Call
     original = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
     if original is None:
         raise UnsupportedVLLMVersion(f"vLLM has no {module}.{qualname} to patch")
-    if getattr(original, _MARK, False):
+    bound = isinstance(original, classmethod)  # wrapped as the function, re-bound after
+    func = original.__func__ if bound else original
+    if getattr(func, _MARK, False):
         return False  # idempotent: already ours
-    wrapper = make_wrapper(original)
-    functools.update_wrapper(wrapper, original)
+    wrapper = make_wrapper(func)
+    functools.update_wrapper(wrapper, func)
     setattr(wrapper, _MARK, True)
-    setattr(owner, attr, wrapper)
+    setattr(owner, attr, classmethod(wrapper) if bound else wrapper)
     return True
 
 
@@ -709,6 +712,30 @@ def _gdn_spec_forward(original: Callable) -> Callable:
     return _spec_forward
 
 
+#: While vLLM sizes a DDTree engine's Mamba page from the model config (before the layers
+#: exist; the layers' own windows are set by ``hybrid.guard.fit_recurrent_state_shapes``): the
+#: speculative tokens its conv windows hold (``DDTreeConfig.num_recurrent_state_blocks``).
+_CONV_SPEC_TOKENS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "ddtree_conv_spec_tokens", default=None)
+
+
+@contextlib.contextmanager
+def _recurrent_state_shapes_of(vllm_config: Any) -> Iterator[None]:
+    """Within: vLLM's state-shape calculators size conv windows for ``vllm_config``'s DDTree
+    engine (``W - 1 + L`` in oracle mode), not for its ``num_speculative_tokens``."""
+    ddtree = get_ddtree_config(vllm_config)
+    token = _CONV_SPEC_TOKENS.set(None if ddtree is None else ddtree.num_recurrent_state_blocks)
+    try:
+        yield
+    finally:
+        _CONV_SPEC_TOKENS.reset(token)
+
+
+def _conv_spec_tokens(num_spec: int) -> int:
+    limit = _CONV_SPEC_TOKENS.get()
+    return num_spec if limit is None else min(num_spec, limit)
+
+
 @patch("vllm.model_executor.layers.mamba.abstract", "MambaBase.get_kv_cache_spec")
 def _recurrent_state_blocks(original: Callable) -> Callable:
     def get_kv_cache_spec(self, vllm_config):
@@ -720,6 +747,38 @@ def _recurrent_state_blocks(original: Callable) -> Callable:
         return dataclasses.replace(spec, num_speculative_blocks=ddtree.num_recurrent_state_blocks)
 
     return get_kv_cache_spec
+
+
+@patch("vllm.platforms.interface", "Platform._align_hybrid_block_size")
+def _hybrid_page_size(original: Callable) -> Callable:
+    def _align_hybrid_block_size(cls, vllm_config, backend_cls):
+        with _recurrent_state_shapes_of(vllm_config):  # the Mamba page of W - 1 + L windows
+            return original(cls, vllm_config, backend_cls)
+
+    return _align_hybrid_block_size
+
+
+_SHAPES = "vllm.model_executor.layers.mamba.mamba_utils"
+
+
+@patch(_SHAPES, "MambaStateShapeCalculator.gated_delta_net_state_shape")
+def _gdn_state_shape(original: Callable) -> Callable:
+    def gated_delta_net_state_shape(cls, tp_world_size, num_k_heads, num_v_heads, head_k_dim,
+                                    head_v_dim, conv_kernel_size, num_spec=0):
+        return original(cls, tp_world_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim,
+                        conv_kernel_size, _conv_spec_tokens(num_spec))
+
+    return gated_delta_net_state_shape
+
+
+@patch(_SHAPES, "MambaStateShapeCalculator.mamba2_state_shape")
+def _mamba2_state_shape(original: Callable) -> Callable:
+    def mamba2_state_shape(cls, tp_world_size, intermediate_size, n_groups, num_heads, head_dim,
+                           state_size, conv_kernel, num_spec=0):
+        return original(cls, tp_world_size, intermediate_size, n_groups, num_heads, head_dim,
+                        state_size, conv_kernel, _conv_spec_tokens(num_spec))
+
+    return mamba2_state_shape
 
 
 @contextlib.contextmanager

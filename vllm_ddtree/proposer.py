@@ -111,11 +111,12 @@ class DDTreeProposer(DFlashProposer):
             DDTreeConfigError: a recurrent layer the tree oracle cannot run exactly
                 (:func:`vllm_ddtree.hybrid.guard.check_recurrent_layers`).
         """
-        from vllm_ddtree.hybrid.guard import check_recurrent_layers
+        from vllm_ddtree.hybrid.guard import check_recurrent_layers, fit_recurrent_state_shapes
         from vllm_ddtree.integration import platform_name
 
         kinds = check_recurrent_layers(target_model, self.ddtree.hybrid,
                                        platform=platform_name())
+        fit_recurrent_state_shapes(target_model, self.ddtree.num_recurrent_state_blocks)
         if kinds:
             logger.info("DDTree: recurrent layers %s verify trees through the %s", kinds,
                         "top-1 chain (shadow_linear)" if self.ddtree.hybrid == "shadow_linear"

@@ -83,6 +83,34 @@ def check_recurrent_layers(model: Any, hybrid_mode: str, platform: str) -> list[
     return sorted(kinds)
 
 
+def fit_recurrent_state_shapes(model: Any, state_tokens: int) -> int:
+    """Size the conv windows of ``model``'s recurrent layers for DDTree's state layout.
+
+    vLLM's GatedDeltaNet and Mamba2 layers size their conv state ``[dim, W - 1 + num_spec]``
+    from ``num_spec`` (``num_speculative_tokens``, ``max(B, L)`` for DDTree;
+    ``vllm/model_executor/layers/mamba/gdn/base.py``, ``mamba_mixer2.py``), and their only other
+    use of it is ``num_spec > 0`` (and ReplaySSM, which DDTree does not use). The tree oracle
+    writes at most ``L + 1`` accepted inputs after the committed window, so ``num_spec`` is set
+    to ``state_tokens`` (``DDTreeConfig.num_recurrent_state_blocks``) before vLLM asks the
+    layers for their KV-cache spec; the page size is computed for the same width (the
+    ``Platform._align_hybrid_block_size`` patch).
+
+    Args:
+        model: the loaded target ``nn.Module``.
+        state_tokens: the speculative tokens a layer's conv window holds.
+
+    Returns:
+        the number of layers changed.
+    """
+    changed = 0
+    for _, layer in recurrent_layers(model):
+        if (_qualified(type(layer)) in SUPPORTED_RECURRENT_LAYERS
+                and getattr(layer, "num_spec", 0) > state_tokens):
+            layer.num_spec = state_tokens
+            changed += 1
+    return changed
+
+
 def hybrid_cudagraph_mode(vllm_config: Any, hybrid_mode: str, platform: str | None = None) -> bool:
     """Keep full CUDA graphs away from a hybrid target's recurrent layers (CUDA, oracle mode).
 

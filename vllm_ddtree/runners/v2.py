@@ -167,10 +167,11 @@ class DDTreeSpeculator(DFlashSpeculator):
         Raises:
             DDTreeConfigError: a recurrent layer (:func:`vllm_ddtree.hybrid.guard.check_recurrent_layers`).
         """
-        from vllm_ddtree.hybrid.guard import check_recurrent_layers
+        from vllm_ddtree.hybrid.guard import check_recurrent_layers, fit_recurrent_state_shapes
         from vllm_ddtree.integration import platform_name
 
         check_recurrent_layers(target_model, self.ddtree.hybrid, platform=platform_name())
+        fit_recurrent_state_shapes(target_model, self.ddtree.num_recurrent_state_blocks)
         super().load_model(target_model)
 
     def init_cudagraph_manager(self, cudagraph_mode: Any) -> None:
