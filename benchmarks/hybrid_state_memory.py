@@ -94,8 +94,9 @@ def vllm_layout_bytes(m: HybridModel, k: int, ssm_bytes: int, conv_bytes: int = 
 def ddtree_layout_bytes(m: HybridModel, k: int, l: int, ssm_bytes: int,
                         conv_bytes: int = 2) -> int:
     """Per request under DDTree: ``min(K, L) + 1`` blocks per layer (``num_speculative_blocks
-    = L``), each still vLLM's page for ``K`` (a ``W - 1 + K`` conv window + a state)."""
-    return m.layers * (min(k, l) + 1) * page_bytes(m, k, ssm_bytes, conv_bytes)
+    = L``), each a page for ``min(K, L)`` (a ``W - 1 + L`` conv window + a state): the layers'
+    ``num_spec`` and vLLM's page alignment are set to L."""
+    return m.layers * (min(k, l) + 1) * page_bytes(m, min(k, l), ssm_bytes, conv_bytes)
 
 
 def page_bytes(m: HybridModel, k: int, ssm_bytes: int, conv_bytes: int = 2) -> int:
@@ -173,7 +174,7 @@ def tables(budget_gib: float = 40.0, l: int = 16, batch: int = 8, gpu_gib: float
         *table(vllm_layout_bytes, lambda k: k + 1),
         "",
         f"DDTree's layout (L = {l}): per request, L + 1 blocks per recurrent layer "
-        f"(num_speculative_blocks = L), each block still [conv_dim, W - 1 + K] (bf16) + "
+        f"(num_speculative_blocks = L), each block [conv_dim, W - 1 + L] (bf16) + "
         f"recurrent state; requests that fit in {budget_gib:g} GiB.",
         "",
         *header,
@@ -224,7 +225,7 @@ def tables(budget_gib: float = 40.0, l: int = 16, batch: int = 8, gpu_gib: float
         "",
         "vLLM unifies page sizes: the attention block grows until one attention page (one "
         "layer's K + V for block_size tokens, bf16) holds one Mamba page. fp32 state. "
-        "(Unchanged by DDTree's layout: the page still follows K = max(B, L).)",
+        "(Under DDTree's layout the page follows L, i.e. the row K = L.)",
         "",
         "| model | K | Mamba page (one layer, one block) | attention block size (tokens) |",
         "|---|---:|---:|---:|",
