@@ -109,6 +109,38 @@ def test_hybrid_greedy_equals_target_only(hybrid, budget, horizon):
         assert off_spine, "no accepted path left the spine: the state re-layout was not exercised"
 
 
+def test_one_token_prompt_padded_with_placeholder_drafts(nemotron_h_pair):
+    """vLLM's scheduler pads a new one-token prompt that joins running requests with K
+    placeholder drafts; vLLM's Mamba2 prefill kernels would fold them into the recurrent state
+    (found by a tester: second token wrong). The row runs through the oracle from a zero state
+    instead and equals target-only (Nemotron-H, fp32; 16 tokens per step so the third prompt
+    arrives while the second request decodes)."""
+    from vllm import SamplingParams
+
+    target, drafter = nemotron_h_pair
+    prompts, max_tokens = ["a", "def main():\n", "#"], [1, 2, 17]
+    engine = dict(max_model_len=512, max_num_batched_tokens=16, max_num_seqs=8)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    llm = make_llm(target, **engine)
+    try:
+        want = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
+                                                                   use_tqdm=False)]
+    finally:
+        release_llm(llm)
+    spec = {"method": "ddtree", "model": str(drafter), "ddtree_budget": 2,
+            "num_speculative_tokens": 4}
+    llm = make_llm(target, speculative_config=spec, **engine)
+    try:
+        with recorded_verification() as rec:
+            got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
+                                                                      use_tqdm=False)]
+    finally:
+        release_llm(llm)
+    assert got == want
+    # the padded row was verified: a step whose request had no token computed before
+    assert any(r["context_len"] == 0 for r in rec.records), "no prompt was padded"
+
+
 def test_shadow_linear_verifies_the_chain_and_measures_the_tree(hybrid, monkeypatch):
     """``ddtree_hybrid="shadow_linear"``: only the top-1 chain reaches the target (exact on any
     hybrid), while each step's tree is kept and its would-be acceptance measured against the

@@ -214,6 +214,20 @@ def test_level_scratch_holds_two_levels_and_paths_chain_from_the_committed_copy(
         commit_states(torch.zeros(20, 2), lay, {0: [0, 1, 7, 8, 8]}, lambda *a: None)
 
 
+def test_a_fresh_request_starts_from_zeros_not_its_recycled_blocks():
+    """A new request's blocks hold a finished request's state; a fresh row (no computed
+    tokens, e.g. a one-token prompt padded with placeholder drafts) reads zeros instead."""
+    lay = build_recurrent_layout([2, 2], [0, 1], torch.arange(1, 9).view(2, 4),
+                                 torch.tensor([1, 1]), {}, fresh_rows=frozenset({1}))
+    assert lay.fresh == [False, True]
+    states = torch.randn(9, 3)
+    scratch = load_committed(lay, states)
+    torch.testing.assert_close(scratch[1], states[1])
+    assert torch.equal(scratch[2], torch.zeros(3))
+    prior = read_conv_windows(torch.randn(9, 5, 6), lay, 4)
+    assert prior[0].abs().sum() > 0 and torch.equal(prior[1], torch.zeros(5, 3))
+
+
 def test_layout_refuses_a_tree_that_does_not_match_the_rows():
     with pytest.raises(RuntimeError, match="tree of 3 nodes"):
         build_recurrent_layout([2], [0], torch.arange(4).view(1, 4), torch.tensor([1]),

@@ -370,6 +370,14 @@ REGISTER: list[Change] = [
     _c(f"{_MIXER2}:MambaMixer2.num_spec", "instance attribute",
        "Set to L as for GatedDeltaNet; the mixer's other reads are num_spec > 0 and "
        "ReplaySSM's (not used with DDTree).", both(None), _GUARD),
+    _c("vllm.v1.attention.backends.mamba_attn:"
+       "BaseMambaAttentionMetadataBuilder._compute_common_metadata", "patch",
+       "A DDTree engine's new one-token prompt that the scheduler padded with placeholder "
+       "drafts (uniform decode batches) is classified as a speculative decode row, not a "
+       "prefill: vLLM's prefill kernels would fold the placeholders into the recurrent state, "
+       "the tree oracle runs the row from a zero state and commits the accepted path only.",
+       both("(self, common_attn_metadata, *, num_accepted_tokens=None, "
+            "num_decode_draft_tokens_cpu=None)"), _P),
     _c(f"{_MIXER2}:MambaMixer2.get_kv_cache_spec", "dependency",
        "Calls MambaBase.get_kv_cache_spec and keeps its num_speculative_blocks (the patch "
        "above sizes Mamba2's state blocks through it).",

@@ -577,7 +577,9 @@ def _model_forward(original: Callable) -> Callable:
         if hybrid:  # every target forward: vLLM's speculative recurrent path is replaced
             parents = {r.batch_index: r.tree.parents for r in (step.requests if step else [])
                        if r.is_tree}
-            ctx = state.hybrid_ctx = HybridTreeContext(parents)
+            computed = self.input_batch.num_computed_tokens_cpu[: self.input_batch.num_reqs]
+            ctx = state.hybrid_ctx = HybridTreeContext(
+                parents, fresh_rows=frozenset(int(b) for b in (computed == 0).nonzero()[0]))
             state.hybrid_done = True
         if step is None:
             with hybrid_tree_active(ctx):
@@ -779,6 +781,37 @@ def _mamba2_state_shape(original: Callable) -> Callable:
                         state_size, conv_kernel, _conv_spec_tokens(num_spec))
 
     return mamba2_state_shape
+
+
+@patch("vllm.v1.attention.backends.mamba_attn",
+       "BaseMambaAttentionMetadataBuilder._compute_common_metadata")
+def _padded_prompt_rows(original: Callable) -> Callable:
+    def _compute_common_metadata(self, common_attn_metadata, *, num_accepted_tokens=None,
+                                 num_decode_draft_tokens_cpu=None):
+        m = common_attn_metadata
+        if (num_decode_draft_tokens_cpu is not None and m.is_prefilling is not None
+                and _oracle_engine(self.vllm_config)):
+            # vLLM's scheduler pads a one-token prompt with placeholder drafts; vLLM sends such
+            # a row to its prefill kernels when the request is new, which fold the placeholders
+            # into the state. As a speculative row it goes through the tree oracle (from a zero
+            # state, HybridTreeContext.fresh_rows) and only the accepted path is committed.
+            query_lens = torch.diff(m.query_start_loc_cpu)
+            n = min(len(query_lens), len(num_decode_draft_tokens_cpu), len(m.is_prefilling))
+            padded = torch.zeros_like(m.is_prefilling)
+            drafts = num_decode_draft_tokens_cpu[:n]
+            padded[:n] = (m.is_prefilling[:n] & (drafts > 0) & (query_lens[:n] == drafts + 1)
+                          & (m.seq_lens_cpu_upper_bound[:n] <= query_lens[:n]))
+            if bool(padded.any()):
+                m = m.replace(is_prefilling=m.is_prefilling & ~padded)
+        return original(self, m, num_accepted_tokens=num_accepted_tokens,
+                        num_decode_draft_tokens_cpu=num_decode_draft_tokens_cpu)
+
+    return _compute_common_metadata
+
+
+def _oracle_engine(vllm_config: Any) -> bool:
+    ddtree = get_ddtree_config(vllm_config)
+    return ddtree is not None and ddtree.hybrid == "oracle"
 
 
 @contextlib.contextmanager

@@ -77,12 +77,17 @@ class HybridTreeContext:
         cache: per-step memo (layouts and conv window indices shared by layers).
         gdn_call: ``(layer, GDNAttentionMetadata)`` of the GatedDeltaNet layer whose CUDA core
             (``_forward_core``) is running, or ``None`` (see :mod:`vllm_ddtree.hybrid.gdn_cuda`).
+        fresh_rows: input-batch rows of requests with no computed tokens before this step.
+            vLLM's scheduler pads a one-token prompt with placeholder drafts (to keep decode
+            batches uniform) and such a row reaches the speculative path; its state blocks
+            hold a finished request's state, so the oracle starts it from zeros, as a prefill.
     """
 
     tree_parents: dict[int, torch.Tensor]
     records: list[RecurrentRecord] = field(default_factory=list)
     cache: dict[Any, Any] = field(default_factory=dict)
     gdn_call: tuple[Any, Any] | None = None
+    fresh_rows: frozenset[int] = frozenset()
 
     def record(self, rec: RecurrentRecord, scratch: torch.Tensor | None = None) -> None:
         """Keep ``rec`` for the commit after verification, committing its one-token sequences
@@ -120,7 +125,7 @@ class HybridTreeContext:
         """
         hit = self.cache.get(key)
         if hit is None:
-            layout = build_recurrent_layout(*build(), self.tree_parents)
+            layout = build_recurrent_layout(*build(), self.tree_parents, self.fresh_rows)
             hit = self.cache[key] = (layout, {}, keep)
         layout, windows, _ = hit
         if width is None:

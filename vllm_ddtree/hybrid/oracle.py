@@ -68,6 +68,8 @@ class RecurrentTreeLayout:
         conv_slots: ``[N]`` long, the conv buffer slot of each sequence (``state_indices[n, 0]``).
         read_offsets: ``[N]`` long, ``num_accepted - 1``: where the committed conv window starts.
         is_tree: ``[N]`` bool, False where the sequence is a plain chain.
+        fresh: ``[N]`` bool, True where the request has no recurrent state yet: its committed
+            state and conv window are zeros, not its blocks' (recycled) contents.
     """
 
     seq_starts: list[int]
@@ -84,6 +86,7 @@ class RecurrentTreeLayout:
     conv_slots: torch.Tensor
     read_offsets: torch.Tensor
     is_tree: list[bool]
+    fresh: list[bool]
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +119,7 @@ def build_recurrent_layout(
     state_indices: torch.Tensor,
     num_accepted: torch.Tensor,
     tree_parents: Mapping[int, torch.Tensor],
+    fresh_rows: frozenset[int] = frozenset(),
 ) -> RecurrentTreeLayout:
     """Flatten the speculative rows of one layer call into a :class:`RecurrentTreeLayout`.
 
@@ -129,6 +133,8 @@ def build_recurrent_layout(
             previous step, ≥ 1).
         tree_parents: ``batch_index -> [n + 1]`` parents (``-1`` first) of the sequences that
             verify a draft tree; any other sequence is a chain.
+        fresh_rows: input-batch rows of requests without recurrent state yet (no computed
+            tokens before this step; see :class:`~vllm_ddtree.hybrid.context.HybridTreeContext`).
 
     Returns:
         the layout (CPU tensors).
@@ -185,6 +191,7 @@ def build_recurrent_layout(
         conv_slots=idx[: len(starts), 0].clone() if idx.numel() else torch.zeros(0, dtype=torch.long),
         read_offsets=acc[: len(seq_lens)] - 1,
         is_tree=is_tree,
+        fresh=[int(b) in fresh_rows for b in batch_index],
     )
 
 
@@ -231,7 +238,8 @@ def path_layout(layout: RecurrentTreeLayout, paths: Mapping[int, Sequence[int]])
     return RecurrentTreeLayout(
         layout.seq_starts, layout.seq_lens, layout.batch_index, parents, layout.depths, levels,
         rows, rows.clone(), 1 + len(layout.seq_lens), layout.state_indices,
-        layout.committed_slots, layout.conv_slots, layout.read_offsets, layout.is_tree)
+        layout.committed_slots, layout.conv_slots, layout.read_offsets, layout.is_tree,
+        layout.fresh)
 
 
 def conv_window_index(layout: RecurrentTreeLayout, width: int) -> torch.Tensor:
@@ -341,12 +349,17 @@ def conv_through_kernel(
 
 
 def read_conv_windows(conv_buf: torch.Tensor, layout: RecurrentTreeLayout, width: int) -> torch.Tensor:
-    """``[N, dim, W - 1]`` committed conv windows (copies) from ``conv_buf [slots, dim, S]``."""
+    """``[N, dim, W - 1]`` committed conv windows (copies) from ``conv_buf [slots, dim, S]``;
+    zeros for a fresh request."""
     m = width - 1
     cols = layout.read_offsets.view(-1, 1) + torch.arange(m).view(1, -1)
     slots = layout.conv_slots.view(-1, 1)
     dev = conv_buf.device
-    return conv_buf[slots.to(dev), :, cols.to(dev)].permute(0, 2, 1).clone()
+    prior = conv_buf[slots.to(dev), :, cols.to(dev)].permute(0, 2, 1).clone()
+    fresh = [i for i, f in enumerate(layout.fresh) if f]
+    if fresh:
+        prior[fresh] = 0  # a prompt's conv starts from zeros, as vLLM's prefill
+    return prior
 
 
 def load_committed(layout: RecurrentTreeLayout, states: torch.Tensor) -> torch.Tensor:
@@ -356,13 +369,17 @@ def load_committed(layout: RecurrentTreeLayout, states: torch.Tensor) -> torch.T
         states: ``[slots, ...]`` the layer's recurrent-state cache (read only).
 
     Returns:
-        ``[layout.num_scratch_rows, ...]`` in ``states``' dtype and device; rows past ``N`` are
-        uninitialised (each level writes its rows before they are read).
+        ``[layout.num_scratch_rows, ...]`` in ``states``' dtype and device (a fresh request's
+        committed row is zeros); rows past ``N`` are uninitialised (each level writes its rows
+        before they are read).
     """
     scratch = states.new_empty((layout.num_scratch_rows, *states.shape[1:]))
     n = len(layout.seq_lens)
     if n:
         scratch[1 : n + 1] = states.index_select(0, layout.committed_slots.to(states.device))
+        fresh = [1 + i for i, f in enumerate(layout.fresh) if f]
+        if fresh:
+            scratch[fresh] = 0  # a prompt starts from a zero state, as vLLM's prefill
     return scratch
 
 
