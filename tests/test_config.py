@@ -11,6 +11,7 @@ from vllm_ddtree.config import (
     ADDITIONAL_CONFIG_KEY,
     DDTreeConfig,
     DDTreeConfigError,
+    check_recurrent_kernels,
     check_tree_fits_step,
     ddtree_config_from,
     draft_concurrency_cap,
@@ -450,3 +451,15 @@ def test_auto_concurrency_warning_names_the_max_budget():
     message = draft_concurrency_warning(auto, 2048, 256, "0.33.0")
     assert "ddtree_max_budget=64" in message and "lower ddtree_max_budget" in message
     assert "ddtree_budget=" not in message
+
+
+def test_replayssm_is_refused_with_the_tree_oracle():
+    oracle = DDTreeConfig(drafter="d", budget=16, drafter_horizon=4, block_size=8)
+    with pytest.raises(DDTreeConfigError, match="--use-replayssm"):
+        check_recurrent_kernels(oracle, True)
+    check_recurrent_kernels(oracle, False)
+    check_recurrent_kernels(DDTreeConfig(drafter="d", budget=16, drafter_horizon=4,
+                                         block_size=8, hybrid="shadow_linear"), True)
+    assert oracle.num_recurrent_state_blocks == 4
+    assert DDTreeConfig(drafter="d", budget=16, drafter_horizon=4, block_size=8,
+                        hybrid="shadow_linear").num_recurrent_state_blocks == 16

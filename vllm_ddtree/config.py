@@ -333,6 +333,22 @@ def drafting_slots(num_verify_slots: int, vllm_version: str) -> int:
     return num_verify_slots if _version_tuple(vllm_version) < (0, 33) else 0
 
 
+def check_recurrent_kernels(ddtree: DDTreeConfig, use_replayssm: bool) -> None:
+    """Refuse vLLM's ReplaySSM Mamba2 decode (``--use-replayssm``) with the tree oracle.
+
+    ReplaySSM replaces the per-token state blocks and the decode kernels the oracle runs
+    (``vllm/config/cache.py`` ``use_replayssm``): the tree's rows would reach a chain kernel.
+
+    Raises:
+        DDTreeConfigError: ``use_replayssm`` with ``ddtree_hybrid="oracle"``.
+    """
+    if use_replayssm and ddtree.hybrid == "oracle":
+        raise DDTreeConfigError(
+            "speculative method 'ddtree' cannot verify draft trees with --use-replayssm "
+            "(use_replayssm replaces the recurrent kernels the tree oracle runs); drop it, or set "
+            "speculative_config['ddtree_hybrid']='shadow_linear'")
+
+
 def check_tree_fits_step(ddtree: DDTreeConfig, max_num_batched_tokens: int,
                          vllm_version: str) -> str | None:
     """Whether a whole draft tree fits in one scheduled step next to the drafter's slots.

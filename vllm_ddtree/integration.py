@@ -780,6 +780,8 @@ REGISTER: list[Change] = [
             "model sample_indices num_speculative_steps max_num_reqs draft_attn_layer_names "
             "vllm_config",
             "Read by DDTreeSpeculator (drafter logits per sampled row, its layers).", _V2),
+    *_attrs("vllm.config.cache:CacheConfig", "use_replayssm",
+            "Refused with the tree oracle (ReplaySSM replaces its recurrent kernels).", _P),
     *_attrs(f"{_V2R}.input_batch:InputBatch",
             "num_reqs positions input_ids logits_indices idx_mapping idx_mapping_np "
             "expanded_idx_mapping expanded_local_pos seq_lens seq_lens_cpu_upper_bound "

@@ -60,6 +60,7 @@ from vllm_ddtree.config import (
     DEFAULT_MAX_BUDGET,
     DDTreeConfigError,
     check_drafter_on_v1_runner,
+    check_recurrent_kernels,
     check_tree_fits_step,
     draft_concurrency_warning,
     get_ddtree_config,
@@ -238,6 +239,7 @@ def _create_engine_config(original: Callable) -> Callable:
                 raise ours from None
             ddtree = get_ddtree_config(config)
             if ddtree is not None:  # the scheduler limits are final only now
+                check_recurrent_kernels(ddtree, config.cache_config.use_replayssm)
                 sched = config.scheduler_config
                 version = installed_vllm_version()
                 for message in (
