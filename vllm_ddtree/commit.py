@@ -160,8 +160,8 @@ def relayout_recurrent(ctx: Any, requests: Sequence[Any]) -> None:
     After this, the state a chain of ``a`` accepted drafts would have left is where vLLM's
     chain bookkeeping reads it next step (``num_accepted_tokens = a + 1``): conv window at
     columns ``[a, a + W - 1)`` of the request's conv buffer, recurrent state in block ``a``
-    (replayed along the path, :mod:`vllm_ddtree.hybrid.oracle`; design: vllm-integration.md
-    §6.5). Chains are committed the same way as trees.
+    (replayed along the path, :mod:`vllm_ddtree.hybrid.oracle`). Chains are committed the same
+    way as trees.
 
     Args:
         ctx: the step's :class:`~vllm_ddtree.hybrid.context.HybridTreeContext`.

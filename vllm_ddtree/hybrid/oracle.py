@@ -5,28 +5,33 @@ branches of a draft tree apart. Here every tree node ``t`` gets its own state,
 ``S_t = step(S_parent(t), x_t)`` (the root starts from the committed state), and its causal-conv
 window is the inputs along its **ancestor path**, continuing into the committed conv state past
 the root. Nodes of one tree depth are independent, so a layer runs one batched one-token step
-per depth level (design: ``shared/research/vllm-integration.md`` §6.5).
+per depth level.
 
 Storage. vLLM keeps ``1 + num_speculative_blocks`` state blocks per request and layer
 (``vllm/v1/kv_cache_interface.py`` ``MambaSpec``) and reads them as a chain
 (``vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py`` ``_spec_forward``): a step starts
 from the recurrent state in block ``num_accepted - 1`` of the previous step and from the conv
 window at columns ``[num_accepted - 1, num_accepted - 1 + W - 1)`` of the request's conv buffer
-(block 0, ``[dim, W - 1 + K]``). The oracle leaves vLLM's blocks alone during the forward:
+(block 0, ``[dim, W - 1 + L]`` for a DDTree engine). The oracle leaves vLLM's blocks alone
+during the forward:
 
 * every node's state lives in a per-layer-call **level scratch**: rows ``1 … N`` hold copies of
   the committed states, in which the roots advance; the nodes of depth ``d >= 1`` take rows of
   region ``(d - 1) % 2`` (two alternating regions, each as large as the widest odd / even
   level), so a layer keeps the states of two adjacent levels at a time, not one per node;
-* each layer call keeps its tokens' recurrent inputs and pre-conv inputs (:class:`LayerReplay`);
-* after verification :func:`commit_accepted_paths` **replays** each accepted path
+* each layer call keeps its tokens' recurrent inputs and pre-conv inputs
+  (:class:`~vllm_ddtree.hybrid.context.RecurrentRecord`);
+* after verification :func:`commit_states` **replays** each accepted path
   ``[0, n_1 … n_a]`` from the committed state with the same one-token calls (so the state is
-  bit-identical to the node's state in the forward) and writes it to block ``a``, and lays the
-  path's conv inputs into the buffer in chain order (column ``W - 2 + j`` ← node ``n_j``): what a
-  chain of ``a`` accepted drafts would have left, where vLLM's chain bookkeeping reads it.
+  bit-identical to the node's state in the forward) and writes it to block ``a``, and
+  :func:`commit_conv_buffer` lays the path's conv inputs into the buffer in chain order
+  (column ``W - 2 + j`` ← node ``n_j``): what a chain of ``a`` accepted drafts would have left,
+  where vLLM's chain bookkeeping reads it.
 
 Only the accepted path is written, so vLLM needs ``L + 1`` state blocks per request (the
-drafter horizon), not ``max(B, L) + 1`` (:func:`vllm_ddtree.patches` sizes them).
+drafter horizon) with ``W - 1 + L`` conv windows, not ``max(B, L) + 1`` blocks of
+``W - 1 + max(B, L)`` (:mod:`vllm_ddtree.patches` and
+:func:`vllm_ddtree.hybrid.guard.fit_recurrent_state_shapes` size them).
 
 The ``*_reference`` steps are plain fp32 formulas of each layer kind, used by the tests as the
 oracle that vLLM's kernels (and this module's tree walk) are checked against.
