@@ -786,7 +786,7 @@ REGISTER: list[Change] = [
             "num_reqs positions input_ids logits_indices idx_mapping idx_mapping_np "
             "expanded_idx_mapping expanded_local_pos seq_lens seq_lens_cpu_upper_bound "
             "cu_num_logits cu_num_logits_np query_start_loc_np num_draft_tokens "
-            "num_draft_tokens_per_req num_tokens has_prefill",
+            "num_draft_tokens_per_req num_tokens has_prefill num_computed_tokens_np",
             "V2's step layout the tree step is laid onto and verified in.", _V2),
     *_attrs(f"{_V2R}.model_runner:GPUModelRunner",
             "speculator adaptive_verification input_buffers decode_query_len device",
