@@ -171,20 +171,26 @@ def relayout_recurrent(ctx: Any, requests: Sequence[Any]) -> None:
         RuntimeError: a speculative sequence of several tokens has no accepted path (its
             state would be lost).
     """
+    from vllm_ddtree.hybrid.oracle import path_layout
+
     accepted = {r.batch_index: r.accepted for r in requests}
+    shared: dict[int, tuple] = {}  # layers of one KV-cache group share a layout: plan it once
     for rec in ctx.records:
         lay = rec.layout
-        paths = {}
-        for n, b in enumerate(lay.batch_index):
-            if n in rec.done:
-                continue
-            path = accepted.get(b)
-            if not path:
-                raise RuntimeError(
-                    f"DDTree hybrid: batch row {b} ran {lay.seq_lens[n]} speculative tokens "
-                    f"through a recurrent layer but verification gave it no accepted path")
-            paths[n] = path
-        rec.commit(paths)
+        if id(lay) not in shared:
+            paths = {}
+            for n, b in enumerate(lay.batch_index):
+                if n in rec.done:
+                    continue
+                path = accepted.get(b)
+                if not path:
+                    raise RuntimeError(
+                        f"DDTree hybrid: batch row {b} ran {lay.seq_lens[n]} speculative tokens "
+                        f"through a recurrent layer but verification gave it no accepted path")
+                paths[n] = path
+            shared[id(lay)] = (paths, path_layout(lay, paths) if paths else None)
+        paths, chains = shared[id(lay)]
+        rec.commit(paths, chains)
 
 
 def commit_tree_step(step: Any, hybrid_ctx: Any = None) -> None:

@@ -579,9 +579,8 @@ def _model_forward(original: Callable) -> Callable:
         if hybrid:  # every target forward: vLLM's speculative recurrent path is replaced
             parents = {r.batch_index: r.tree.parents for r in (step.requests if step else [])
                        if r.is_tree}
-            computed = self.input_batch.num_computed_tokens_cpu[: self.input_batch.num_reqs]
-            ctx = state.hybrid_ctx = HybridTreeContext(
-                parents, fresh_rows=frozenset(int(b) for b in (computed == 0).nonzero()[0]))
+            ctx = state.hybrid_ctx = HybridTreeContext.for_step(
+                parents, self.input_batch.num_computed_tokens_cpu[: self.input_batch.num_reqs])
             state.hybrid_done = True
         if step is None:
             with hybrid_tree_active(ctx):

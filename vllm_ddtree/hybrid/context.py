@@ -56,14 +56,16 @@ class RecurrentRecord:
     advance: Advance | None = None
     done: frozenset[int] = frozenset()
 
-    def commit(self, paths: Mapping[int, Sequence[int]]) -> None:
+    def commit(self, paths: Mapping[int, Sequence[int]],
+               chains: RecurrentTreeLayout | None = None) -> None:
         """Write the accepted paths (sequence index -> ``[0, n_1 … n_a]``) into vLLM's conv
         buffer and state blocks (:func:`~vllm_ddtree.hybrid.oracle.commit_conv_buffer`,
-        :func:`~vllm_ddtree.hybrid.oracle.commit_states`)."""
+        :func:`~vllm_ddtree.hybrid.oracle.commit_states`); ``chains``: the paths' replay
+        layout, when the caller shares it between records of one layout."""
         if self.conv_buf is not None:
             commit_conv_buffer(self.conv_buf, self.layout, self.prior, self.conv_inputs, paths)
         if self.states is not None:
-            commit_states(self.states, self.layout, paths, self.advance)
+            commit_states(self.states, self.layout, paths, self.advance, chains)
 
 
 @dataclass
@@ -88,6 +90,14 @@ class HybridTreeContext:
     cache: dict[Any, Any] = field(default_factory=dict)
     gdn_call: tuple[Any, Any] | None = None
     fresh_rows: frozenset[int] = frozenset()
+
+    @classmethod
+    def for_step(cls, tree_parents: dict[int, torch.Tensor],
+                 num_computed_tokens: Any) -> "HybridTreeContext":
+        """The context of one target forward: ``num_computed_tokens`` ``[num_reqs]`` (numpy,
+        before this step) marks the fresh rows."""
+        fresh = frozenset(int(b) for b in (num_computed_tokens == 0).nonzero()[0])
+        return cls(tree_parents, fresh_rows=fresh)
 
     def record(self, rec: RecurrentRecord, scratch: torch.Tensor | None = None) -> None:
         """Keep ``rec`` for the commit after verification, committing its one-token sequences

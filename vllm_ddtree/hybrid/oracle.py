@@ -430,6 +430,7 @@ def commit_states(
     layout: RecurrentTreeLayout,
     paths: Mapping[int, Sequence[int]],
     advance: Advance,
+    chains: RecurrentTreeLayout | None = None,
 ) -> None:
     """Write each accepted path's final state to block ``a`` of its sequence (``a + 1`` tokens),
     where vLLM's chain bookkeeping (``num_accepted_tokens = a + 1``) reads it next step.
@@ -442,6 +443,8 @@ def commit_states(
         states: ``[slots, ...]`` the layer's recurrent-state cache (written in place).
         layout: the layer call's tree layout; paths: sequence index -> ``[0, n_1 … n_a]``.
         advance: the layer call's replay (it holds the call's recurrent inputs).
+        chains: ``path_layout(layout, paths)`` when the caller has it (layers that share a
+            layout share it).
 
     Raises:
         RuntimeError: a path is longer than the sequence's state blocks.
@@ -451,10 +454,10 @@ def commit_states(
         return
     for n, path in paths.items():
         _check_path_fits(layout, n, path)
-    chains = path_layout(layout, paths)
+    chains = path_layout(layout, paths) if chains is None else chains
     scratch = load_committed(chains, states)
     advance(chains, scratch)
-    rows = [int(chains.dst_slots[layout.seq_starts[n] + int(p[-1])]) for n, p in paths.items()]
+    rows = [1 + n for n in paths]  # a path's final state stays in its committed copy's row
     slots = [int(layout.state_indices[n, len(p) - 1]) for n, p in paths.items()]
     dev = states.device
     states.index_copy_(0, torch.tensor(slots, device=dev),

@@ -543,9 +543,8 @@ def hybrid_context(step: TreeStep | None, input_batch: Any) -> Any:
         rows = int(cu[r.batch_index + 1] - cu[r.batch_index])
         pad = torch.zeros(rows - r.num_rows, dtype=r.tree.parents.dtype)
         parents[r.batch_index] = torch.cat([r.tree.parents, pad])
-    computed = input_batch.num_computed_tokens_np[: input_batch.num_reqs]
-    return HybridTreeContext(parents,
-                             fresh_rows=frozenset(int(b) for b in (computed == 0).nonzero()[0]))
+    return HybridTreeContext.for_step(
+        parents, input_batch.num_computed_tokens_np[: input_batch.num_reqs])
 
 
 def plan_v2_step(input_batch: Any, trees: dict[str, DraftTree],
