@@ -6,8 +6,9 @@ every round builds each configuration's engine in turn (target-only, vLLM's DFla
 each fixed B, DDTree ``auto``), measures both batch sizes and frees it, so slow phases of this
 noisy machine hit every configuration alike; the table reports the median over rounds. Every
 output is checked against target-only (greedy equality). ``auto`` learns online from the engine's
-own step times: every engine first generates one pass over the prompts at batch 1 (warm-up,
-not measured), in every round.
+own step times, per batch size: every engine first generates one pass over the prompts at each
+measured batch size (warm-up, not measured; as a server that has served such loads), in every
+round.
 
 Writes ``docs/benchmark_auto.md`` (table, ratios, command), ``docs/benchmark_auto.png`` (tokens/s
 against B, ``auto`` and DFlash as lines) and ``docs/benchmark_auto.json`` (raw numbers).
@@ -83,10 +84,12 @@ def run(args) -> list[dict]:
             t0 = time.perf_counter()
             llm = make_llm(target, **({"speculative_config": spec} if spec else {}))
             steps = wrap_steps(llm)
-            # Warm-up, the same for every configuration: one pass over the prompts at batch 1
-            # (auto learns its step costs and calibration here, as a long-running server has).
-            for prompt in prompts:
-                llm.generate([prompt], warm, use_tqdm=False)
+            # Warm-up, the same for every configuration: one pass over the prompts at each batch
+            # size (auto learns its step costs per batch size and its calibration here, as a
+            # long-running server has; every configuration meets its step shapes once).
+            for batch in args.batches:
+                for i in range(0, len(prompts), batch):
+                    llm.generate(prompts[i:i + batch], warm, use_tqdm=False)
             for batch in args.batches:
                 before = (llm.collective_rpc(_auto_state)[0] if name == "auto" else None)
                 ids, m = measure(llm, steps, stages, prompts, params, batch)

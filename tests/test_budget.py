@@ -272,12 +272,12 @@ def test_cost_model_refuses_bad_observations(tokens, seconds, match):
 # ------------------------------------------------------------------ controller
 
 
-def _simulate(step_cost, steps=200, num_reqs=2, seed=0):
+def _simulate(step_cost, steps=200, num_reqs=2, seed=0, row_multiple=1):
     """Run the controller against a synthetic engine: the drafter's path probabilities of a
     geometric tree, a target that accepts each node with its calibrated probability (here half
     the drafter's: the drafter is over-confident), and a step time from ``step_cost``."""
     g = torch.Generator().manual_seed(seed)
-    ctl = BudgetController(max_budget=64, probe_every=8)
+    ctl = BudgetController(max_budget=64, probe_every=8, row_multiple=row_multiple)
     plp = torch.cat((torch.zeros(1), torch.log(geometric(0.97, 64)).float()))  # chain-shaped
     ids = [f"r{i}" for i in range(num_reqs)]
     for _ in range(steps):
@@ -292,13 +292,17 @@ def _simulate(step_cost, steps=200, num_reqs=2, seed=0):
     return ctl
 
 
+@pytest.mark.parametrize("row_multiple", [1, 8])
 @pytest.mark.parametrize("name, step_cost", [
     ("gpu", lambda rows: 0.02),                     # flat: the largest trees
     ("mixed", lambda rows: 0.01 + 0.002 * rows),     # fixed part and a slope: mid-sized trees
     ("cpu", lambda rows: 0.002 + 0.004 * rows),      # nearly proportional: nothing pays
 ])
-def test_controller_learns_the_cost_online_and_reaches_the_optimum(name, step_cost):
-    ctl = _simulate(step_cost)
+def test_controller_learns_the_cost_online_and_reaches_the_optimum(name, step_cost,
+                                                                    row_multiple):
+    ctl = _simulate(step_cost, row_multiple=row_multiple)
+    rows = sum(1 + b for b in ctl.stats.last_budgets)
+    assert rows % row_multiple == 0 or rows in (4, 130)  # the grid, the chain or every node
     # What the controller would choose knowing the true reach probabilities and cost.
     truth = [0.5 * geometric(0.97)] * 2
     best = allocate_budgets(truth, step_cost, 64)
@@ -465,3 +469,77 @@ def test_agreed_budgets_replace_the_local_choice():
         c.agree = lambda budgets, bad=bad: bad
         with pytest.raises(ValueError, match="agreed budgets"):
             c.allocate(["a", "b"], lps)
+
+
+def _rate_at(values, budgets, step_cost):
+    return (len(values) + sum(float(v[:b].sum()) for v, b in zip(values, budgets))) / step_cost(
+        sum(1 + b for b in budgets))
+
+
+def test_allocation_keeps_to_the_row_grid():
+    """With ``row_multiple`` the step verifies a multiple of it (or one node per request, or
+    every candidate), and the choice is the best such step: brute force over every split of the
+    nodes at every grid total (greedy by value is optimal at a fixed total)."""
+    values = [geometric(0.9, 20), geometric(0.7, 20), geometric(0.5, 20)]
+    cost = lambda rows: 0.01 + 0.0004 * rows  # noqa: E731
+    free = allocate_budgets(values, cost, 20)
+    assert sum(1 + b for b in free.budgets) % 8  # the unconstrained optimum is off the grid
+    grid = allocate_budgets(values, cost, 20, row_multiple=8)
+    rows = sum(1 + b for b in grid.budgets)
+    assert rows % 8 == 0 and grid.tokens == rows
+    best = max(_rate_at(values, split, cost)
+               for split in itertools.product(range(1, 21), repeat=3)
+               if sum(1 + b for b in split) % 8 == 0 or sum(split) in (3, 60))
+    assert _rate_at(values, grid.budgets, cost) == pytest.approx(best, rel=1e-12)
+    # The ends stay reachable: a flat cost takes every node (63 rows), a steep one the chain.
+    assert allocate_budgets(values, flat, 20, row_multiple=8).budgets == [20, 20, 20]
+    assert allocate_budgets(values, cpu_like, 20, row_multiple=8).budgets == [1, 1, 1]
+    with pytest.raises(ValueError, match="row_multiple"):
+        allocate_budgets(values, cost, 20, row_multiple=0)
+
+
+@pytest.mark.parametrize("probe, lo, hi", [(2.0, 1.5, 2.5), (0.5, 0.3, 0.7)])
+def test_probe_is_the_best_tree_set_at_another_size(probe, lo, hi):
+    """A probe step verifies about ``probe`` × the chosen rows, on the grid, and takes the most
+    valuable nodes at that total (each request a prefix of its pop order), while the
+    allocation's own figures stay those of the optimum."""
+    values = [geometric(0.9, 40), geometric(0.6, 40)]
+    cost = lambda rows: 0.01 + 0.0002 * rows  # noqa: E731
+    plain = allocate_budgets(values, cost, 40, row_multiple=8)
+    a = allocate_budgets(values, cost, 40, row_multiple=8, probe=probe)
+    assert a.budgets == plain.budgets and a.tokens == plain.tokens
+    rows = sum(1 + b for b in a.probe_budgets)
+    assert rows % 8 == 0 and lo * plain.tokens <= rows <= hi * plain.tokens
+    # The most valuable nodes at that total: no node left out is worth more than one taken.
+    taken = [float(v[b - 1]) for v, b in zip(values, a.probe_budgets) if b > 1]
+    left = [float(v[b]) for v, b in zip(values, a.probe_budgets) if b < v.numel()]
+    assert min(taken) >= max(left)
+
+
+def test_controller_probes_on_the_grid():
+    """The controller's probe steps (while the cost slope is unidentified) keep to its grid."""
+    ctl = BudgetController(64, cost=StepCostModel(prior_intercept=0.01, prior_slope=0.0002),
+                           probe_every=2, row_multiple=8)
+    plp = torch.cat((torch.zeros(1), torch.log(geometric(0.9, 64)).float()))
+    sizes = []
+    for _ in range(4):
+        budgets = ctl.allocate(["a", "b"], [plp, plp])
+        sizes.append(sum(1 + b for b in budgets))
+    assert all(r % 8 == 0 for r in sizes)
+    assert sizes[1] > sizes[0] > sizes[3]  # step 2 doubles, step 4 halves; steps 1, 3 plain
+
+
+def test_first_step_of_each_size_is_not_timed():
+    """``step_finished``: consecutive steps feed the cost model, except the first step of each
+    ``(rows, requests)``, whose one-time costs (oneDNN primitives, kernel tuning) are not what
+    the size costs later; a gap in step indices or a step with prefill (rows 0) is not timed."""
+    ctl = BudgetController(8)
+    feed = [(0, 16, 1, 0.000), (1, 16, 1, 0.050), (2, 16, 1, 0.060), (3, 24, 1, 0.130),
+            (4, 24, 1, 0.140), (5, 16, 2, 0.200), (6, 16, 1, 0.210), (8, 16, 1, 0.300),
+            (9, 0, 1, 0.310), (10, 24, 1, 0.320)]
+    for i, rows, reqs, now in feed:
+        ctl.step_finished(i, rows, reqs, now)
+    obs = {k: [(t, r, round(s, 6)) for t, r, s in d] for k, d in ctl.cost._obs.items()}
+    # (16, 1) first at step 1, (24, 1) at 3, (16, 2) at 5: not timed; step 8 follows a gap.
+    assert obs == {1: [(16.0, 1.0, 0.01), (24.0, 1.0, 0.01), (16.0, 1.0, 0.01),
+                       (24.0, 1.0, 0.01)]}

@@ -48,12 +48,19 @@ __all__ = [
     "AcceptanceCalibrator",
     "Allocation",
     "BudgetController",
+    "ENGINE_ROW_MULTIPLE",
     "StepCostModel",
     "allocate_budgets",
     "marginal_values",
 ]
 
 logger = logging.getLogger("vllm.ddtree")
+
+#: The row grid an engine's controller allocates on (``BudgetController(row_multiple=...)``):
+#: on the shipped pair (CPU) it cuts the distinct step sizes of a batch of 8 from ~500 to ~65,
+#: each of which costs several ms more the first time; a multiple of 8 is also where vLLM's CUDA
+#: graph capture sizes lie beyond 8.
+ENGINE_ROW_MULTIPLE = 8
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -434,6 +441,9 @@ class Allocation:
             request at the cost of ``extra_tokens + num_requests`` rows, without the drafter
             pass: ``drafter_seconds`` of :func:`allocate_budgets`).
         target_only_rate: that predicted target-only rate, tokens per second.
+        probe_budgets: with ``probe`` (:func:`allocate_budgets`), the budgets of a step of
+            about ``probe`` × this one's rows (the most valuable nodes at that total, on the row
+            grid), for the cost model to see another size; else ``None``.
     """
 
     budgets: list[int]
@@ -444,6 +454,7 @@ class Allocation:
     chain_fallback: bool
     speculation_pays: bool
     target_only_rate: float = 0.0
+    probe_budgets: list[int] | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -476,6 +487,8 @@ def allocate_budgets(
     token_budget: int | None = None,
     extra_tokens: int = 0,
     drafter_seconds: float = 0.0,
+    row_multiple: int = 1,
+    probe: float | None = None,
 ) -> Allocation:
     """Each request's node budget for one step, maximising expected committed tokens per second.
 
@@ -505,13 +518,21 @@ def allocate_budgets(
             speculative step's measured cost, not of a target-only step, so it is taken off the
             cost of the target-only step the allocation is compared with (at most down to 10 %
             of it).
+        row_multiple: the row grid (int >= 1): only steps whose rows are a multiple of it are
+            considered, besides one node per request and every candidate (or the token budget's
+            limit). A step of a row count never seen before pays one-time costs -- on a CPU
+            oneDNN builds a GEMM primitive per new row count for every linear layer (≈ 0.5 ms
+            each); on a GPU, kernels are tuned or graphs captured per size -- so a few sizes
+            reused beat a new size every step.
+        probe: also choose :attr:`Allocation.probe_budgets` at about ``probe`` × the chosen
+            rows (> 0), or ``None``.
 
     Returns:
         the :class:`Allocation`.
 
     Raises:
-        ValueError: empty batch, a bad values tensor, ``max_budget`` < 1, a token budget too
-            small for one node per request, or a non-positive cost.
+        ValueError: empty batch, a bad values tensor, ``max_budget`` < 1, ``row_multiple`` < 1,
+            a token budget too small for one node per request, or a non-positive cost.
     """
     vals = _check_values(values)
     if not vals:
@@ -520,6 +541,9 @@ def allocate_budgets(
     _check_int("extra_tokens", extra_tokens, 0)
     if token_budget is not None:
         _check_int("token_budget", token_budget, 1)
+    _check_int("row_multiple", row_multiple, 1)
+    if probe is not None:
+        _check_pos_float("probe", probe)
 
     def cost(rows: np.ndarray) -> np.ndarray:
         s = np.broadcast_to(np.asarray(
@@ -530,11 +554,13 @@ def allocate_budgets(
                              f"count, got {s.min()} .. {s.max()}")
         return s
 
-    return _allocate(vals, cost, max_budget, token_budget, extra_tokens, drafter_seconds)
+    return _allocate(vals, cost, max_budget, token_budget, extra_tokens, drafter_seconds,
+                     row_multiple, probe)
 
 
 def _allocate(vals: list[np.ndarray], cost, max_budget: int, token_budget: int | None,
-              extra_tokens: int, drafter_seconds: float) -> Allocation:
+              extra_tokens: int, drafter_seconds: float, row_multiple: int = 1,
+              probe: float | None = None) -> Allocation:
     # allocate_budgets on checked inputs: float64 arrays, ``cost`` from a float64 array of row
     # counts to positive seconds.
     num = len(vals)
@@ -557,10 +583,21 @@ def _allocate(vals: list[np.ndarray], cost, max_budget: int, token_budget: int |
     rows_k = np.arange(base_rows, base_rows + max_extra + 1, dtype=np.float64)
     seconds_k = cost(rows_k)
     rates = (num + base + gains) / seconds_k
+    allowed = rows_k.astype(np.int64) % row_multiple == 0
+    allowed[0] = allowed[-1] = True  # one node each; every candidate (or the token budget)
+    rates = np.where(allowed, rates, -np.inf)
     # The first maximum: among (near-)equal rates the smaller tree, which costs less if the
     # cost model is off.
     best_k = int(np.argmax(rates >= rates.max() * (1 - 1e-12)))
     budgets = (1 + np.bincount(cr[:best_k], minlength=num)).tolist()
+    probe_budgets = None
+    if probe is not None:
+        # The allowed count nearest the scaled row total (ties: in the probe's direction).
+        want = probe * (base_rows + best_k) - base_rows
+        ks = np.flatnonzero(allowed)
+        dist = np.abs(ks - want) - 1e-9 * np.sign(probe - 1.0) * ks
+        k = int(ks[np.argmin(dist)])
+        probe_budgets = (1 + np.bincount(cr[:k], minlength=num)).tolist()
     expected = [float(v[:b].sum()) for v, b in zip(vals, budgets)]
     expected_tokens = num + sum(expected)
     seconds = float(seconds_k[best_k])
@@ -575,6 +612,7 @@ def _allocate(vals: list[np.ndarray], cost, max_budget: int, token_budget: int |
         chain_fallback=all(b == 1 for b in budgets),
         speculation_pays=expected_tokens / seconds > target_only_rate,
         target_only_rate=target_only_rate,
+        probe_budgets=probe_budgets,
     )
 
 
@@ -615,9 +653,16 @@ class BudgetController:
     :meth:`observe_step` with the step's rows and wall time update the estimates.
 
     While the window of step sizes is too narrow to identify the cost slope (:meth:
-    `StepCostModel.spread` < ``min_spread``), every ``probe_every``-th allocation is scaled by
-    one half or two (alternately): a step of another size is as exact as any other, and without it
-    a controller that always picks the same size never learns what other sizes cost.
+    `StepCostModel.spread` < ``min_spread``), every ``probe_every``-th allocation is a step of
+    about half or twice the rows (alternately; the most valuable nodes at that total): a step of
+    another size is as exact as any other, and without it a controller that always picks the
+    same size never learns what other sizes cost.
+
+    Steps verify a multiple of ``row_multiple`` rows (:func:`allocate_budgets`), and the first
+    step of each ``(rows, requests)`` is not timed (:meth:`step_finished`): a size's first step
+    pays one-time costs (oneDNN primitives per row count on a CPU, a new GEMM shape in every
+    linear layer: several ms a step on the shipped pair), which read as a steep or negative
+    slope.
 
     Attributes:
         max_budget: ``B_max``.
@@ -627,14 +672,24 @@ class BudgetController:
             as a warning the first time only (``stats.chain_fallback_steps`` counts them all).
         speculation_pays: the last allocation's expected rate beat the predicted target-only rate.
 
+    Args:
+        max_budget: ``B_max``.
+        calibrator, cost: the estimators (new ones by default).
+        probe_every: allocations between probes (0: never).
+        min_spread: the :meth:`StepCostModel.spread` below which probes run.
+        figures: the metrics sink (:attr:`figures`).
+        row_multiple: the row grid of :func:`allocate_budgets` (1: every row count); the runner
+            adapters pass :data:`ENGINE_ROW_MULTIPLE`.
+
     Raises:
-        ValueError: ``max_budget`` < 1 or a bad probe setting.
+        ValueError: ``max_budget`` < 1, ``row_multiple`` < 1 or a bad probe setting.
     """
 
     def __init__(self, max_budget: int, calibrator: AcceptanceCalibrator | None = None,
                  cost: StepCostModel | None = None, probe_every: int = 16,
-                 min_spread: float = 1.5, figures: Any = None):
+                 min_spread: float = 1.5, figures: Any = None, row_multiple: int = 1):
         self.max_budget = _check_int("max_budget", max_budget, 1)
+        self.row_multiple = _check_int("row_multiple", row_multiple, 1)
         self.calibrator = calibrator or AcceptanceCalibrator()
         self.cost = cost or StepCostModel()
         self.probe_every = _check_int("probe_every", probe_every, 0)
@@ -651,6 +706,9 @@ class BudgetController:
         self.drafter_seconds = 0.0
         #: (step index, perf_counter) of the last :meth:`step_finished`.
         self._last_step: tuple[int | None, float] | None = None
+        #: ``(rows, requests)`` of the steps :meth:`step_finished` has seen (their first is
+        #: not timed).
+        self._sizes_seen: set[tuple[int, int]] = set()
         #: ``budgets -> budgets`` applied to every allocation, or ``None``. Under tensor
         #: parallelism every rank builds the same trees and must verify the same sizes, but each
         #: rank times its own steps, so the cost models (and the sizes) can differ; the runner
@@ -686,18 +744,15 @@ class BudgetController:
             _check_int("token_budget", token_budget, 1)
         # The cost model's predictions are positive by construction (intercept floored > 0).
         num = len(req_ids)
-        alloc = _allocate(values, lambda rows: self.cost.seconds(rows, num), self.max_budget,
-                          token_budget,
-                          _check_int("extra_tokens", extra_tokens, 0), self.drafter_seconds)
-        budgets = alloc.budgets
         self.stats.steps += 1
         up = self._probe_up(self.stats.steps)
-        if up is not None and self.cost.spread(num) < self.min_spread:
-            probe = [max(1, min(b * 2 if up else b // 2, v.size, self.max_budget))
-                     for b, v in zip(budgets, values)]
-            rows = extra_tokens + sum(1 + b for b in probe)
-            if token_budget is None or rows <= token_budget:
-                budgets = probe
+        probe = (2.0 if up else 0.5) if (
+            up is not None and self.cost.spread(num) < self.min_spread) else None
+        alloc = _allocate(values, lambda rows: self.cost.seconds(rows, num), self.max_budget,
+                          token_budget,
+                          _check_int("extra_tokens", extra_tokens, 0), self.drafter_seconds,
+                          self.row_multiple, probe)
+        budgets = alloc.budgets if alloc.probe_budgets is None else alloc.probe_budgets
         if self.agree is not None:
             budgets = [int(b) for b in self.agree(list(budgets))]
             if len(budgets) != len(values) or any(
@@ -850,7 +905,9 @@ class BudgetController:
         previous call is one engine step (scheduling, the target forward of the ``rows`` it
         verified, the drafter) when the two calls belong to consecutive steps (an idle engine in
         between is not cost) and the step was decode-only (``rows > 0``; the caller passes 0 for
-        steps with prefill chunks, which cost far less per row than tree nodes).
+        steps with prefill chunks, which cost far less per row than tree nodes). The first step
+        of each ``(rows, requests)`` is not observed (its one-time costs are not what the size
+        costs from then on).
 
         Args:
             step_index: the runner's count of prepared steps (``None``: unknown, not timed).
@@ -861,7 +918,11 @@ class BudgetController:
         last, self._last_step = self._last_step, (step_index, now)
         if (step_index is not None and last is not None and last[0] is not None
                 and last[0] == step_index - 1 and rows > 0):
-            self.observe_step(rows, now - last[1], requests)
+            size = (rows, requests)
+            if size in self._sizes_seen:
+                self.observe_step(rows, now - last[1], requests)
+            else:  # a size's first step pays one-time costs (see the class docstring)
+                self._sizes_seen.add(size)
 
     def forget(self, live_req_ids: set[str]) -> None:
         """Drop predictions of requests that are gone."""

@@ -21,7 +21,7 @@ import torch
 
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.budget import BudgetController
+from vllm_ddtree.budget import ENGINE_ROW_MULTIPLE, BudgetController
 from vllm_ddtree.config import DDTreeConfig, count_prefixes, get_ddtree_config
 from vllm_ddtree.metrics import WorkerFigures
 from vllm_ddtree.shadow import ShadowAcceptance
@@ -90,7 +90,8 @@ class DDTreeProposer(DFlashProposer):
                 f"{ddtree.budget} distinct draft prefixes ({fillable} exist)"
             )
         self.controller: BudgetController | None = (
-            BudgetController(ddtree.budget, figures=self.ddtree_figures)
+            BudgetController(ddtree.budget, figures=self.ddtree_figures,
+                             row_multiple=ENGINE_ROW_MULTIPLE)
             if ddtree.auto_budget and self.shadow is None
             else None)
         if self.controller is not None:
