@@ -127,10 +127,13 @@ def test_proposer_auto_path_cuts_trees_to_prefixes_and_learns():
     state.step_index, state.step_rows = 2, 30  # an idle gap (no step 1): not a step's cost
     p._propose_auto(["a", "b"], full)
     assert p.controller.cost.num_observations == 0
-    state.step_index = 3
+    state.step_index = 3  # consecutive, but the first step of 30 rows: its one-time costs
+    p._propose_auto(["a", "b"], full)
+    assert p.controller.cost.num_observations == 0
+    state.step_index = 4
     p._propose_auto(["a", "b"], full)
     assert p.controller.cost.num_observations == 1
-    state.step_index, state.step_rows = 4, 0  # a step with prefill chunks: not timed
+    state.step_index, state.step_rows = 5, 0  # a step with prefill chunks: not timed
     p._propose_auto(["a", "b"], full)
     assert p.controller.cost.num_observations == 1
 
