@@ -294,6 +294,11 @@ class StepCostModel:
         self.min_intercept = _check_pos_float("min_intercept", min_intercept)
         #: bucket -> the bucket's last ``window`` steps ``(tokens, requests, seconds)``.
         self._obs: dict[int, deque[tuple[float, float, float]]] = {}
+        #: bucket -> running sums of the window's moments (:func:`_moments`), so a fit costs a
+        #: few scalar operations instead of array building (it runs every step); recomputed
+        #: from the window once per ``window`` steps, so rounding does not accumulate.
+        self._sums: dict[int, list[float]] = {}
+        self._adds: dict[int, int] = {}
         self._last_bucket = 1
         self._pooled: tuple[float, float, float] | None = None
         self._fits: dict[int, tuple[float, float]] = {}
@@ -319,8 +324,19 @@ class StepCostModel:
         _check_int("requests", requests, 1)
         s = _check_pos_float("seconds", seconds)
         k = self._last_bucket = self.bucket(requests)
-        self._obs.setdefault(k, deque(maxlen=self.window)).append(
-            (float(tokens), float(requests), s))
+        obs = self._obs.setdefault(k, deque(maxlen=self.window))
+        sums = self._sums.setdefault(k, [0.0] * 10)
+        new = (float(tokens), float(requests), s)
+        if len(obs) == self.window:
+            for i, v in enumerate(_moments(*obs[0])):
+                sums[i] -= v
+        obs.append(new)
+        self._adds[k] = self._adds.get(k, 0) + 1
+        if self._adds[k] % self.window == 0:
+            sums[:] = [sum(c) for c in zip(*(_moments(*o) for o in obs))]
+        else:
+            for i, v in enumerate(_moments(*new)):
+                sums[i] += v
         self._pooled = None
         self._fits.clear()
 
@@ -364,34 +380,37 @@ class StepCostModel:
         # Ridge least squares on (tokens, requests), centred first (the mean step is always
         # identified); each slope is pulled toward its prior with weight lam (prior_weight
         # pseudo-steps at a distance of the feature's mean), so a feature that never varied
-        # keeps its prior. A floored intercept refits the slopes through it.
+        # keeps its prior. A floored intercept refits the slopes through it. On the running
+        # sums (normal equations), no per-step arrays.
         a0, b0, w = self.prior_intercept, self.prior_slope, self.prior_weight
         if not self._obs:
             return max(a0, self.min_intercept), b0, 0.0
-        obs = np.array([o for d in self._obs.values() for o in d])
-        X, y = obs[:, :2], obs[:, 2]
-        mean = X.mean(0)
-        prior, lam = np.array([b0, 0.0]), w * mean * mean
-        coef = _clamped_ridge(X - mean, y - y.mean(), lam, prior)
-        a = float(y.mean() - coef @ mean)
+        n, st, sr, ss, stt, srr, strq, sts, srs, sss = (
+            sum(c) for c in zip(*self._sums.values()))
+        mt, mr, ms = st / n, sr / n, ss / n
+        prior, lam = (b0, 0.0), (w * mt * mt, w * mr * mr)
+        xtx = (stt - n * mt * mt, strq - n * mt * mr, srr - n * mr * mr)
+        coef = _clamped_ridge(xtx, (sts - n * mt * ms, srs - n * mr * ms),
+                              sss - n * ms * ms, lam, prior)
+        a = ms - coef[0] * mt - coef[1] * mr
         if a < self.min_intercept:
             a = self.min_intercept
-            coef = _clamped_ridge(X, y - a, lam, prior)
+            coef = _clamped_ridge((stt, strq, srr), (sts - a * st, srs - a * sr),
+                                  sss - 2 * a * ss + n * a * a, lam, prior)
         return a, float(coef[0]), float(coef[1])
 
     def _solve_bucket(self, k: int) -> tuple[float, float]:
         # The same fit on tokens alone over one bucket's steps, the slope pulled toward the
         # pooled slope.
-        obs = np.array(self._obs[k])
-        x, y = obs[:, 0], obs[:, 2]
-        xm, ym = float(x.mean()), float(y.mean())
+        n, st, _, ss, stt, _, _, sts, _, _ = self._sums[k]
+        xm, ym = st / n, ss / n
         lam = self.prior_weight * xm * xm
         prior = self._pooled_fit()[1]
-        b = max(0.0, (float((x - xm) @ (y - ym)) + lam * prior) / (float((x - xm) @ (x - xm)) + lam))
+        b = max(0.0, (sts - n * xm * ym + lam * prior) / (stt - n * xm * xm + lam))
         a = ym - b * xm
         if a < self.min_intercept:
             a = self.min_intercept
-            b = max(0.0, (float(x @ (y - a)) + lam * prior) / (float(x @ x) + lam))
+            b = max(0.0, (sts - a * st + lam * prior) / (stt + lam))
         return a, b
 
     def seconds(self, tokens, requests: int = 1):
@@ -404,23 +423,31 @@ class StepCostModel:
         return a + b * tokens
 
 
-def _clamped_ridge(X: np.ndarray, y: np.ndarray, lam: np.ndarray, prior: np.ndarray
-                   ) -> np.ndarray:
+def _moments(t: float, r: float, s: float) -> tuple[float, ...]:
+    """One step's terms of the running sums :class:`StepCostModel` fits on:
+    ``(1, t, r, s, t², r², t·r, t·s, r·s, s²)`` for tokens ``t``, requests ``r``, seconds ``s``."""
+    return (1.0, t, r, s, t * t, r * r, t * r, t * s, r * s, s * s)
+
+
+def _clamped_ridge(xtx: tuple[float, float, float], xty: tuple[float, float], yty: float,
+                   lam: tuple[float, float], prior: tuple[float, float]) -> tuple[float, float]:
     """``argmin |X c - y|^2 + sum lam_j (c_j - prior_j)^2`` subject to ``c >= 0`` for two
-    features (``X`` ``[n, 2]``): the unconstrained solution, else the best with a feature at 0."""
-    A = X.T @ X + np.diag(lam)
-    rhs = X.T @ y + lam * prior
-    coef = np.linalg.solve(A, rhs)
-    if (coef >= 0).all():
-        return coef
-    best, best_loss = np.zeros(2), np.inf
-    for j in (0, 1):  # keep feature j alone, the other at 0
-        c = np.zeros(2)
-        c[j] = max(0.0, rhs[j] / A[j, j])
-        loss = float(((X @ c - y) ** 2).sum() + (lam * (c - prior) ** 2).sum())
-        if loss < best_loss:
-            best, best_loss = c, loss
-    return best
+    features, from the normal equations: ``xtx = (XᵀX₀₀, XᵀX₀₁, XᵀX₁₁)``, ``xty = Xᵀy``,
+    ``yty = yᵀy``. The unconstrained solution, else the best with a feature at 0."""
+    a00, a01, a11 = xtx[0] + lam[0], xtx[1], xtx[2] + lam[1]
+    r0, r1 = xty[0] + lam[0] * prior[0], xty[1] + lam[1] * prior[1]
+    det = a00 * a11 - a01 * a01
+    c0, c1 = (a11 * r0 - a01 * r1) / det, (a00 * r1 - a01 * r0) / det
+    if c0 >= 0 and c1 >= 0:
+        return c0, c1
+
+    def loss(c0: float, c1: float) -> float:
+        fit = (c0 * c0 * xtx[0] + 2 * c0 * c1 * xtx[1] + c1 * c1 * xtx[2]
+               - 2 * (c0 * xty[0] + c1 * xty[1]) + yty)
+        return fit + lam[0] * (c0 - prior[0]) ** 2 + lam[1] * (c1 - prior[1]) ** 2
+
+    alone = ((max(0.0, r0 / a00), 0.0), (0.0, max(0.0, r1 / a11)))  # one feature, the other 0
+    return min(alone, key=lambda c: loss(*c))
 
 
 # --------------------------------------------------------------------------- allocation
