@@ -287,24 +287,43 @@ def test_eos_inside_accepted_path(qwen3_target, dflash_drafter, reference, tmp_p
     assert got == want
 
 
+#: bf16: the largest top-2 logprob gap at which a first differing token counts as vLLM's own
+#: rounding: two steps of this model's bf16 logits (the gaps measured are multiples of 0.125).
+BF16_BATCH_VARIANCE = 0.25
+
+
 def test_bf16_greedy_equals_target_only(qwen3_target, dflash_drafter):
-    """In bf16 too: tree rows go through vLLM's own attention kernel, so they round exactly like
-    target-only decoding (bf16 near-ties would expose a tree path computed differently)."""
+    """In bf16 too: tree rows go through vLLM's own attention kernel, so they round like
+    target-only decoding (bf16 near-ties would expose a tree path computed differently).
+
+    Equal token for token, except where vLLM's bf16 kernels themselves depend on the batch's
+    shape: on CPUs with AMX / AVX-512-bf16, oneDNN's bf16 GEMMs round a row differently with
+    the number of rows, so target-only decoding alone flips near-ties when only its schedule
+    changes (measured on such a machine: the same prompts one at a time differ from the batched
+    run in 5 of 8 requests; ``max_num_batched_tokens=32`` gives the very divergence DDTree's
+    oracle run shows, a 0.125 logprob gap). So a first difference is allowed where target-only's
+    top two tokens lie within :data:`BF16_BATCH_VARIANCE` (two bf16 ulps); a tree row computed
+    wrongly moves logits by far more (on machines without that variance, e.g. AVX2-only,
+    the outputs are equal outright)."""
     from vllm import SamplingParams
+
+    from tests.support.models import greedy_mismatches
 
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     llm = make_llm(qwen3_target, dtype="bfloat16", **ENGINE)
-    ref = llm.generate(PROMPTS, params, use_tqdm=False)
+    ref = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True,
+                                               logprobs=2), use_tqdm=False)
     release_llm(llm)
-    want = _token_ids(ref)
     refs = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in ref}
     for budget in (15, 40):
         llm = _ddtree(qwen3_target, dflash_drafter, budget, dtype="bfloat16")
         try:
-            assert _token_ids(llm.generate(PROMPTS, params, use_tqdm=False)) == want
+            got = _token_ids(llm.generate(PROMPTS, params, use_tqdm=False))
+            assert greedy_mismatches(ref, got, near_tie=BF16_BATCH_VARIANCE) == []
             with injected_drafts(OracleDrafts(refs, _spine_with_sidesteps)), \
                     recorded_verification() as rec:
-                assert _token_ids(llm.generate(PROMPTS, params, use_tqdm=False)) == want
+                got = _token_ids(llm.generate(PROMPTS, params, use_tqdm=False))
+            assert greedy_mismatches(ref, got, near_tie=BF16_BATCH_VARIANCE) == []
         finally:
             release_llm(llm)
         assert any(any(a != j for j, a in enumerate(r["accepted"])) for r in rec.records)

@@ -125,10 +125,20 @@ class DDTreeProposer(DFlashProposer):
         super().load_model(target_model)
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any):
-        """Keep the drafter logits ``[R * L, V]``; return DFlash's per-position argmax."""
+        """Keep the drafter logits ``[R * L, V]``; return placeholder draft tokens ``[R * L]``
+        int64 (zeros).
+
+        DFlash drafts in parallel (one pass), so vLLM's ``propose``
+        (vllm/v1/spec_decode/llm_base_proposer.py) only reshapes what this returns, and
+        :meth:`propose` replaces it with the trees' tokens: the argmax vLLM's DFlash takes here
+        (as long as the drafter pass's top-k on the shipped pair) would be thrown away. Were the
+        drafter ever run step by step, the tokens would feed the next step: then the argmax.
+        """
         logits = self.model.compute_logits(hidden_states)
         self._ddtree_logits = logits
-        return logits.argmax(dim=-1), None
+        if not getattr(self, "parallel_drafting", False):
+            return logits.argmax(dim=-1), None
+        return torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device), None
 
     def propose(self, num_speculative_tokens: int, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One DFlash pass with L = ``drafter_horizon`` mask tokens, then one tree per request.
