@@ -185,7 +185,9 @@ def main(argv=None) -> int:
         "docstring for what it leaves out.", "",
         "Step-cost points (verified rows → ms per step; target-only "
         f"{1e3 * ar:.0f} ms): " + ", ".join(f"{x} → {1e3 * y:.0f}" for x, y in pts)
-        + " (DFlash: 16 rows); piecewise linear between them.", "",
+        + " (DFlash: 16 rows); piecewise linear between them and extended with the end "
+        "segments' slopes (below 16 rows: the DFlash → B = 16 slope), never below target-only's "
+        "step.", "",
         "| config | τ | mean B | projected ms/step | projected tok/s | vs target-only |",
         "|---|---|---|---|---|---|",
     ]
