@@ -285,7 +285,7 @@ def test_vllm_dflash_on_qwen3_next(qwen3_next_target, qwen3_next_dflash_drafter,
         del llm
     assert drafts > 0
     assert all(len(x) == MAX_TOKENS for x in _token_ids(outputs))
-    problems = tm.greedy_mismatches(qwen3_next_reference, outputs, near_tie=0.1)
+    problems = tm.greedy_mismatches(qwen3_next_reference, outputs, near_tie=tm.BF16_BATCH_VARIANCE)
     print(f"\nQwen3-Next + vLLM dflash: {len(PROMPTS) - len(problems)}/{len(PROMPTS)} requests match target-only")
     if problems:
         pytest.xfail("vLLM 0.32 CPU GDN spec decode is not lossless when drafts are rejected: " + problems[0])

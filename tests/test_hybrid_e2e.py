@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.models import greedy_mismatches, make_llm, release_llm
+from tests.support.models import BF16_BATCH_VARIANCE, greedy_mismatches, make_llm, release_llm
 from tests.support.oracle_drafts import OracleDrafts, injected_drafts
 from tests.support.recorder import recorded_verification
 
@@ -28,8 +28,6 @@ PROMPTS = [
 ]
 MAX_TOKENS = [28, 17, 24, 9, 21, 13, 26, 6]  # requests finish at different steps
 ENGINE = dict(max_model_len=512, max_num_batched_tokens=256, max_num_seqs=8)
-#: bf16: the largest top-2 logit gap at which a differing token counts as a near-tie.
-BF16_NEAR_TIE = 0.02
 
 
 def _params():
@@ -62,7 +60,7 @@ def hybrid(request, tiny_models, nemotron_h_pair):
     if request.param == "qwen3_next":
         target, drafter = tiny_models.get("qwen3_next_target"), tiny_models.get(
             "qwen3_next_dflash_drafter")
-        near_tie = BF16_NEAR_TIE
+        near_tie = BF16_BATCH_VARIANCE  # vLLM's own bf16 rounding varies with the step
     else:
         (target, drafter), near_tie = nemotron_h_pair, 0.0
     llm = make_llm(target, **ENGINE)

@@ -307,11 +307,20 @@ def test_vllm_gdn_decode_kernel_matches_the_reference_step(vllm_gdn):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_gdn_tree_forward_equals_vllm_chain_on_each_path(vllm_gdn, seed):
+def test_gdn_tree_forward_equals_vllm_chain_on_each_path(vllm_gdn, seed, monkeypatch):
     """Our GDN glue over a batch of trees == vLLM's own speculative chain path run on each
-    root->node path alone (same vLLM kernels underneath; fp32 recurrent state)."""
+    root->node path alone (same vLLM kernels underneath; fp32 recurrent state).
+
+    vLLM's chain path is taken in its portable form (``F.conv1d`` over the unpacked weight, the
+    ``(dim, state_len)`` window this test builds): on AMX / Arm-bf16 CPUs it would otherwise
+    switch to its native conv kernel, which wants packed weights and the other window layout
+    (``causal_conv1d_update_cpu: 3D x requires SD conv_states layout``); the engine tests cover
+    those machines end to end."""
     from vllm_ddtree.hybrid.context import HybridTreeContext
     from vllm_ddtree.hybrid.gdn_cpu import tree_spec_forward
+
+    monkeypatch.setattr(vllm_gdn.torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(vllm_gdn, "is_arm_bf16", lambda: False)
 
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
     layer, dim = _gdn_layer(seed=seed)
