@@ -543,3 +543,33 @@ def test_first_step_of_each_size_is_not_timed():
     # (16, 1) first at step 1, (24, 1) at 3, (16, 2) at 5: not timed; step 8 follows a gap.
     assert obs == {1: [(16.0, 1.0, 0.01), (24.0, 1.0, 0.01), (16.0, 1.0, 0.01),
                        (24.0, 1.0, 0.01)]}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(probe="2"), None),                      # a numeric string is taken as its number
+    (dict(probe=0), "probe"), (dict(probe=float("nan")), "probe"),
+    (dict(drafter_seconds=-5.0), "drafter_seconds"),
+    (dict(drafter_seconds=float("nan")), "drafter_seconds"),
+    (dict(drafter_seconds="x"), "drafter_seconds"),
+    (dict(step_seconds=lambda rows: torch.ones(3)), "one value per row count"),
+])
+def test_allocate_budgets_checks_its_arguments(kwargs, match):
+    """Found by a tester: a string probe and a huge one, an unchecked drafter_seconds and a cost
+    of the wrong shape gave TypeErrors, NaN rates or numpy's broadcast error."""
+    values = [geometric(0.9, 16)] * 3
+    args = dict(step_seconds=cpu_like, max_budget=16, row_multiple=8)
+    args.update(kwargs)
+    if match is None:
+        a = allocate_budgets(values, **args)
+        assert a.probe_budgets is not None
+    else:
+        with pytest.raises(ValueError, match=match):
+            allocate_budgets(values, **args)
+
+
+def test_huge_probe_takes_the_largest_step():
+    values = [geometric(0.9, 16)] * 3
+    a = allocate_budgets(values, lambda rows: 0.01 + 0.0004 * rows, 16, row_multiple=8,
+                         probe=1e17)
+    assert a.probe_budgets == [16, 16, 16]
+    assert allocate_budgets(values, flat, 16, row_multiple=8, probe=1e-17).probe_budgets == [1] * 3

@@ -559,7 +559,9 @@ def allocate_budgets(
 
     Raises:
         ValueError: empty batch, a bad values tensor, ``max_budget`` < 1, ``row_multiple`` < 1,
-            a token budget too small for one node per request, or a non-positive cost.
+            ``probe`` not a positive number, ``drafter_seconds`` not a number >= 0, a token
+            budget too small for one node per request, or a cost that is not positive or not one
+            value per row count.
     """
     vals = _check_values(values)
     if not vals:
@@ -570,12 +572,16 @@ def allocate_budgets(
         _check_int("token_budget", token_budget, 1)
     _check_int("row_multiple", row_multiple, 1)
     if probe is not None:
-        _check_pos_float("probe", probe)
+        probe = _check_pos_float("probe", probe)
+    drafter_seconds = _check_pos_float("drafter_seconds", drafter_seconds, allow_zero=True)
 
     def cost(rows: np.ndarray) -> np.ndarray:
-        s = np.broadcast_to(np.asarray(
-            torch.as_tensor(step_seconds(torch.from_numpy(rows)), dtype=torch.float64)),
-            rows.shape)
+        s = np.asarray(torch.as_tensor(step_seconds(torch.from_numpy(rows)),
+                                       dtype=torch.float64))
+        if s.shape not in ((), rows.shape):
+            raise ValueError(f"step_seconds must give one value per row count ({rows.shape}) "
+                             f"or a scalar, got shape {s.shape}")
+        s = np.broadcast_to(s, rows.shape)
         if not np.isfinite(s).all() or (s <= 0).any():
             raise ValueError("step_seconds must give positive finite seconds for every row "
                              f"count, got {s.min()} .. {s.max()}")
@@ -620,8 +626,9 @@ def _allocate(vals: list[np.ndarray], cost, max_budget: int, token_budget: int |
     probe_budgets = None
     if probe is not None:
         # The allowed count nearest the scaled row total (ties: in the probe's direction).
-        want = probe * (base_rows + best_k) - base_rows
         ks = np.flatnonzero(allowed)
+        # clipped first: far outside the candidates, float rounding would tie every distance
+        want = min(max(probe * (base_rows + best_k) - base_rows, 0.0), float(ks[-1]))
         dist = np.abs(ks - want) - 1e-9 * np.sign(probe - 1.0) * ks
         k = int(ks[np.argmin(dist)])
         probe_budgets = (1 + np.bincount(cr[:k], minlength=num)).tolist()
