@@ -471,11 +471,6 @@ def test_agreed_budgets_replace_the_local_choice():
             c.allocate(["a", "b"], lps)
 
 
-def _rate_at(values, budgets, step_cost):
-    return (len(values) + sum(float(v[:b].sum()) for v, b in zip(values, budgets))) / step_cost(
-        sum(1 + b for b in budgets))
-
-
 def test_allocation_keeps_to_the_row_grid():
     """With ``row_multiple`` the step verifies a multiple of it (or one node per request, or
     every candidate), and the choice is the best such step: brute force over every split of the
@@ -487,10 +482,10 @@ def test_allocation_keeps_to_the_row_grid():
     grid = allocate_budgets(values, cost, 20, row_multiple=8)
     rows = sum(1 + b for b in grid.budgets)
     assert rows % 8 == 0 and grid.tokens == rows
-    best = max(_rate_at(values, split, cost)
+    best = max(_rate(values, split, cost)
                for split in itertools.product(range(1, 21), repeat=3)
                if sum(1 + b for b in split) % 8 == 0 or sum(split) in (3, 60))
-    assert _rate_at(values, grid.budgets, cost) == pytest.approx(best, rel=1e-12)
+    assert _rate(values, grid.budgets, cost) == pytest.approx(best, rel=1e-12)
     # The ends stay reachable: a flat cost takes every node (63 rows), a steep one the chain.
     assert allocate_budgets(values, flat, 20, row_multiple=8).budgets == [20, 20, 20]
     assert allocate_budgets(values, cpu_like, 20, row_multiple=8).budgets == [1, 1, 1]
