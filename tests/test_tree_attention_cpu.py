@@ -24,6 +24,7 @@ from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
     _get_attn_isa,
 )
 
+import vllm_ddtree.attention.paged as paged  # noqa: E402
 from vllm_ddtree.attention.common import (  # noqa: E402
     TreeAttentionBatch,
     TreeAttentionRequest,
@@ -34,6 +35,7 @@ from vllm_ddtree.attention.cpu import (  # noqa: E402
     DDTreeCPUAttentionImpl,
 )
 from vllm_ddtree.attention.paged import (  # noqa: E402
+    MATMUL_MAX_ROWS,
     attend_paged_heads,
     gather_paged_kv,
     paged_head_rows,
@@ -254,15 +256,17 @@ def test_gather_paged_kv_reads_what_the_writer_wrote(isa, head_size, block_size,
         2, dim=2)[0], key_cache)
 
 
+@pytest.mark.parametrize("rows", [5, MATMUL_MAX_ROWS, MATMUL_MAX_ROWS + 3])
 @pytest.mark.parametrize("isa,head_size,block_size,dtype",
                          [c for c in GATHER_CASES if c[0] != "amx" and c[3] == torch.float32])
 def test_attend_paged_heads_equals_dense_attention_over_what_the_writer_wrote(
-        isa, head_size, block_size, dtype):
+        isa, head_size, block_size, dtype, rows):
     """Two requests whose blocks lie shuffled in the cache (the second's partly shared with the
     first), two KV heads, a random visibility mask per row: the result equals dense float32
-    attention over the keys and values written by vLLM's writer."""
+    attention over the keys and values written by vLLM's writer, on both sides of
+    ``MATMUL_MAX_ROWS`` (explicit matmuls on the key blocks, and one SDPA call)."""
     torch.manual_seed(2)
-    num_kv_heads, rows, num_blocks, m = 2, 5, 9, 3
+    num_kv_heads, num_blocks, m = 2, 9, 3
     kv, key_cache, value_cache = make_kv_cache(num_blocks, num_kv_heads, block_size, head_size,
                                                dtype)
     table = torch.tensor([[6, 1, 4], [4, 8, 2]], dtype=torch.int32)
@@ -643,13 +647,15 @@ def _per_node_kernel(sc, impl, requests, head_size, block_size):
     return out
 
 
-@pytest.mark.parametrize("dtype,head_size,block_size", [
-    (torch.float32, 32, 16),  # small blocks: paths cross block boundaries
-    (torch.bfloat16, 64, 32),
-    (torch.bfloat16, 128, 128),  # the 0.6B head shape
+@pytest.mark.parametrize("dtype,head_size,block_size,matmul_max_rows", [
+    (torch.float32, 32, 16, None),  # small blocks: paths cross block boundaries
+    (torch.float32, 32, 16, 0),  # fp32 rows through the SDPA branch of attend_paged_heads
+    (torch.bfloat16, 64, 32, None),
+    (torch.bfloat16, 128, 128, None),  # the 0.6B head shape
 ])
 def test_tree_rows_equal_reference_and_per_node_kernel(model_dtype, dtype, head_size,
-                                                       block_size):
+                                                       block_size, matmul_max_rows,
+                                                       monkeypatch):
     """Several requests of different tree shapes and sizes next to plain rows: tree rows equal
     the ancestor-only reference and vLLM's kernel run once per node over its ancestor path
     (fp32, one torch attention call: to 1e-6; bf16, vLLM's kernel per chain: at most one bf16
@@ -657,6 +663,8 @@ def test_tree_rows_equal_reference_and_per_node_kernel(model_dtype, dtype, head_
     spine rows and non-tree rows are vLLM's bits, the cache ends as vLLM leaves it, and every
     layer of the step reuses one plan."""
     model_dtype["dtype"] = dtype
+    if matmul_max_rows is not None:
+        monkeypatch.setattr(paged, "MATMUL_MAX_ROWS", matmul_max_rows)
     heads, kv_heads = 8, 2
     names = ["bushy", None, "deep", "chain", "leaves", "spine_then_fork"]
     trees = {r: TREES[nm] for r, nm in enumerate(names) if nm}

@@ -31,6 +31,7 @@ verification forward:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,7 +50,7 @@ from vllm_ddtree.attention.common import (
     TreeAttentionRequest,
     active_tree_batch,
 )
-from vllm_ddtree.attention.paged import attend_paged_heads, gather_paged_kv, paged_head_rows
+from vllm_ddtree.attention.paged import _paged_head_rows, attend_paged_heads, gather_paged_kv
 
 __all__ = ["DDTreeCPUAttentionBackend", "DDTreeCPUAttentionImpl", "off_spine_rows", "tree_chains"]
 
@@ -95,16 +96,26 @@ def _padded_off_spine(masks: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray
             raise ValueError(f"ancestor_mask must be [n, n] with n >= 1, got {tuple(mask.shape)}")
         sizes.append(mask.shape[0])
     n = max(sizes)
-    a = np.zeros((len(masks), n, n), dtype=bool)
-    for t, mask in enumerate(masks):
-        a[t, : sizes[t], : sizes[t]] = mask.to("cpu", torch.bool).numpy()
+    if len(masks) == 1:
+        a = masks[0].to("cpu", torch.bool).numpy()[None]
+    else:
+        a = np.zeros((len(masks), n, n), dtype=bool)
+        for t, mask in enumerate(masks):
+            a[t, : sizes[t], : sizes[t]] = mask.to("cpu", torch.bool).numpy()
     real = np.arange(n) < np.asarray(sizes)[:, None]  # [R, n]
-    if (not np.array_equal(a.diagonal(axis1=1, axis2=2), real)
-            or np.triu(a, 1).any()):
+    if (a & _strict_upper(n)).any() or (a.diagonal(axis1=1, axis2=2) != real).any():
         raise ValueError("ancestor_mask is not an ancestor-or-self mask in topological order "
                          "(every row must see itself and only earlier rows)")
-    causal = np.tri(n, dtype=bool)
-    return a, (a != causal).any(2) & real
+    # Row i sees only itself and earlier rows, so it is the causal row iff it sees all i + 1.
+    return a, (a.sum(2) != np.arange(1, n + 1)) & real
+
+
+@functools.lru_cache(maxsize=64)
+def _strict_upper(n: int) -> np.ndarray:
+    """``[n, n]`` bool, true above the diagonal (read-only: shared between calls)."""
+    upper = np.triu(np.ones((n, n), dtype=bool), 1)
+    upper.flags.writeable = False
+    return upper
 
 
 @dataclass
@@ -121,14 +132,15 @@ class _TreeRowPlan:
     g * k, S]`` float32 (``g = num_heads // num_kv_heads``, head-group-major rows as the query
     is folded), the ancestor-only mask as ``0`` / ``-inf`` (context keys, then the
     ancestor-or-self tree keys). ``result_index``: ``[q]`` long positions of the real rows among
-    the ``R * k``; ``rows``: ``[q]`` long their flat output rows.
+    the ``R * k`` (``None`` when every request has ``k`` rows: all are real); ``rows``: ``[q]``
+    long their flat output rows.
     """
 
     key_rows: torch.Tensor
     value_rows: torch.Tensor
     query_index: torch.Tensor
     bias: torch.Tensor
-    result_index: torch.Tensor
+    result_index: torch.Tensor | None
     rows: torch.Tensor
     num_requests: int
     max_rows: int
@@ -429,7 +441,9 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
                                  self.scale, isa)
         res = res.view(r, num_kv_heads, g, k, -1).permute(0, 3, 1, 2, 4).reshape(
             r * k, self.num_heads, -1)
-        out.index_copy_(0, plan.rows, res.index_select(0, plan.result_index).to(out.dtype))
+        if plan.result_index is not None:
+            res = res.index_select(0, plan.result_index)
+        out.index_copy_(0, plan.rows, res.to(out.dtype))
 
     def _tree_row_plan(self, batch: TreeAttentionBatch, attn_metadata: CPUAttentionMetadata,
                        block_size: int, device: torch.device) -> "_TreeRowPlan | None":
@@ -459,7 +473,8 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         todo = count.nonzero()[0]
         if todo.size == 0:
             return None
-        a, need, count = a[todo], need[todo], count[todo]
+        if todo.size < count.size:
+            a, need, count = a[todo], need[todo], count[todo]
         reqs = [batch.requests[t] for t in todo.tolist()]
         r, n = a.shape[:2]
         k = int(count.max())
@@ -469,8 +484,8 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         # Each request's off-spine rows first, in order; padding repeats its first one.
         order = np.argsort(~need, axis=1, kind="stable")[:, :k]
         valid = np.arange(k) < count[:, None]  # [r, k]
-        node = np.where(valid, order, order[:, :1])
-        rel = np.arange(m * block_size) - ctx[:, None]  # key position relative to the root
+        padded = not valid.all()
+        node = np.where(valid, order, order[:, :1]) if padded else order
         tree_rows = a[np.arange(r)[:, None], node]  # [r, k, n]
         # Tree key j of request t sits at column ctx[t] + j; padding columns (j >= size[t]) go
         # to a spare last column, dropped after.
@@ -478,22 +493,24 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         mask = np.zeros((r, k, m * block_size + 1), dtype=bool)
         mask[np.arange(r)[:, None, None], np.arange(k)[None, :, None], cols[:, None, :]] = tree_rows
         mask = mask[:, :, :-1]
-        mask |= (rel < 0)[:, None, :]  # [r, k, S]
+        mask |= (np.arange(m * block_size) < ctx[:, None])[:, None, :]  # context keys: [r, k, S]
         # Head-group-major rows, as the query is folded: row gi * k + i is head group gi, row i.
         g = self.num_heads // self.num_kv_heads
         bias = np.where(mask, np.float32(0), np.float32(-np.inf))
         bias = np.repeat(bias[:, None], g, axis=1).reshape(r, 1, g * k, -1)  # a writable copy
         query_index = np.array([req.query_start for req in reqs])[:, None] + node
-        batch_index = torch.from_numpy(np.array([req.batch_index for req in reqs]))
-        table = attn_metadata.block_table.to("cpu")[batch_index, :m]  # past a request: masked
-        key_rows, value_rows = paged_head_rows(table, self.num_kv_heads)
-        result_index = (np.arange(r)[:, None] * k + np.arange(k))[valid]
+        table = attn_metadata.block_table.to("cpu").numpy()
+        table = table[[req.batch_index for req in reqs], :m]  # past a request: masked
+        key_rows = _paged_head_rows(table, self.num_kv_heads)
+        rows = query_index[valid] if padded else query_index.reshape(-1)
         return _TreeRowPlan(
-            key_rows=key_rows.to(device), value_rows=value_rows.to(device),
+            key_rows=torch.from_numpy(key_rows).to(device),
+            value_rows=torch.from_numpy(key_rows + 1).to(device),
             query_index=torch.from_numpy(query_index.reshape(-1)).to(device),
             bias=torch.from_numpy(bias).to(device),
-            result_index=torch.from_numpy(result_index).to(device),
-            rows=torch.from_numpy(query_index[valid]).to(device), num_requests=r, max_rows=k,
+            result_index=(torch.from_numpy((np.arange(r)[:, None] * k + np.arange(k))[valid])
+                          .to(device) if padded else None),
+            rows=torch.from_numpy(rows).to(device), num_requests=r, max_rows=k,
         )
 
     def _overwrite_tree_rows(
