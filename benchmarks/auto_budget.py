@@ -1,14 +1,14 @@
 """``"ddtree_budget": "auto"`` against fixed node budgets, DFlash and target-only, one run.
 
 The shipped trained pair (``models/``), greedy, fp32, eager, V1 runner, held-out prompts, at
-batch 1 (prompts one after another) and batch 8 (all prompts in one ``generate``). Interleaved:
-every round builds each configuration's engine in turn (target-only, vLLM's DFlash, DDTree at
-each fixed B, DDTree ``auto``), measures both batch sizes and frees it, so slow phases of this
-noisy machine hit every configuration alike; the table reports the median over rounds. Every
-output is checked against target-only (greedy equality). ``auto`` learns online from the engine's
-own step times, per batch size: every engine first generates one pass over the prompts at each
-measured batch size (warm-up, not measured; as a server that has served such loads), in every
-round.
+batch 1 (prompts one after another) and batch 8 (all prompts in one ``generate``). Interleaved: every configuration's engine
+(target-only, vLLM's DFlash, DDTree at each fixed B, DDTree ``auto``) lives in this process
+through the whole run, and each prompt group (one prompt at batch 1, all eight at batch 8) runs
+on every engine, in a shuffled order, before the next group, so slow spells of this noisy machine
+hit every configuration alike; the table reports the median over rounds. Every output is checked
+against target-only (greedy equality). ``auto`` learns online from the engine's own step times,
+per batch size: every engine first generates one pass over the prompts at each measured batch
+size (warm-up, not measured; as a server that has served such loads).
 
 Writes ``docs/benchmark_auto.md`` (table, ratios, command), ``docs/benchmark_auto.png`` (tokens/s
 against B, ``auto`` and DFlash as lines) and ``docs/benchmark_auto.json`` (raw numbers).
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import statistics
 import sys
 import time
@@ -29,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from e2e import Stages, measure, wrap_steps  # noqa: E402  (also puts examples/ and ROOT on sys.path)
+from e2e import SpecCounter, step_metrics, wrap_steps  # noqa: E402  (also puts examples/ and ROOT on sys.path)
 
 BUDGETS = (4, 8, 16, 32, 64, 128, 256)
 
@@ -72,43 +73,62 @@ def run(args) -> list[dict]:
     from vllm import SamplingParams
 
     from tests.support import trained
-    from tests.support.models import make_llm, release_llm
+    from tests.support.models import make_llm
 
     target, drafter = (str(p) for p in trained.require())
     prompts = trained.heldout_prompts(args.num_prompts)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    warm = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    stages, rows, ref = Stages(), [], {}
+    engines = []
+    for name, spec in configs(args, drafter):
+        t0 = time.perf_counter()
+        llm = make_llm(target, **({"speculative_config": spec} if spec else {}))
+        steps, counter = wrap_steps(llm), SpecCounter(llm)
+        # Warm-up, the same for every configuration: one pass over the prompts at each batch
+        # size (auto learns its step costs per batch size and its calibration here, as a
+        # long-running server has; every configuration meets its step shapes once).
+        for batch in args.batches:
+            for i in range(0, len(prompts), batch):
+                llm.generate(prompts[i:i + batch], params, use_tqdm=False)
+        engines.append((name, spec, llm, steps, counter))
+        print(f"{name:>7} ready ({time.perf_counter() - t0:.0f}s)", flush=True)
+    rows, ref = [], {}
     for rnd in range(args.rounds):
-        for name, spec in configs(args, drafter):
-            t0 = time.perf_counter()
-            llm = make_llm(target, **({"speculative_config": spec} if spec else {}))
-            steps = wrap_steps(llm)
-            # Warm-up, the same for every configuration: one pass over the prompts at each batch
-            # size (auto learns its step costs per batch size and its calibration here, as a
-            # long-running server has; every configuration meets its step shapes once).
-            for batch in args.batches:
-                for i in range(0, len(prompts), batch):
-                    llm.generate(prompts[i:i + batch], warm, use_tqdm=False)
-            for batch in args.batches:
-                before = (llm.collective_rpc(_auto_state)[0] if name == "auto" else None)
-                ids, m = measure(llm, steps, stages, prompts, params, batch)
+        for batch in args.batches:
+            acc = {}
+            for name, spec, llm, steps, counter in engines:
+                steps.clear()
+                acc[name] = {"before": counter.counts(), "outs": [], "seconds": 0.0,
+                             "auto": llm.collective_rpc(_auto_state)[0] if name == "auto"
+                             else None}
+            # Every prompt group runs on every engine before the next group, in a shuffled
+            # order: a slow spell of the machine hits all configurations alike.
+            for g, i in enumerate(range(0, len(prompts), batch)):
+                order = list(engines)
+                random.Random(f"{rnd}/{batch}/{g}").shuffle(order)
+                for name, spec, llm, steps, counter in order:
+                    t0 = time.perf_counter()
+                    acc[name]["outs"] += llm.generate(prompts[i:i + batch], params,
+                                                      use_tqdm=False)
+                    acc[name]["seconds"] += time.perf_counter() - t0
+            for name, spec, llm, steps, counter in engines:
+                a = acc[name]
+                ids, m = step_metrics(a["before"], counter.counts(), a["outs"], a["seconds"],
+                                      steps)
                 if spec is None:
                     ref.setdefault(batch, ids)
                 m.update(config=name, batch=batch, round=rnd, identical_to_ar=ids == ref[batch])
-                if before is not None:
+                if a["auto"] is not None:
                     after = llm.collective_rpc(_auto_state)[0]
-                    trees = after["trees"] - before["trees"]
-                    m["auto_mean_budget"] = (after["nodes"] - before["nodes"]) / max(trees, 1)
-                    m["auto_fallback_steps"] = after["fallback_steps"] - before["fallback_steps"]
+                    trees = after["trees"] - a["auto"]["trees"]
+                    m["auto_mean_budget"] = (after["nodes"] - a["auto"]["nodes"]) / max(trees, 1)
+                    m["auto_fallback_steps"] = (after["fallback_steps"]
+                                                - a["auto"]["fallback_steps"])
                 rows.append(m)
                 print(f"[round {rnd}] {name:>7} batch {batch}: {m['tok_s']:7.1f} tok/s  "
                       f"tau {m['tau']:.2f}  {m['ms_per_step']:.1f} ms/step"
-                      + (f"  mean B {m['auto_mean_budget']:.1f}" if before is not None else "")
+                      + (f"  mean B {m['auto_mean_budget']:.1f}" if a["auto"] is not None
+                         else "")
                       + f"  identical {m['identical_to_ar']}", flush=True)
-            release_llm(llm)
-            del llm
-            print(f"           ({time.perf_counter() - t0:.0f}s)", flush=True)
     return rows
 
 

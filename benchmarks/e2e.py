@@ -118,6 +118,36 @@ def wrap_steps(llm) -> list[float]:
     return times
 
 
+class SpecCounter:
+    """One engine's spec-decode counters, summed from the per-step stats its ``LLMEngine``
+    hands its stat loggers (``SchedulerStats.spec_decoding_stats``, vllm/v1/engine/llm_engine.py
+    ``step``), for several engines alive in one process: their Prometheus counters, which
+    :func:`spec_counts` reads, live in one process-wide registry that each new engine resets."""
+
+    def __init__(self, llm):
+        self.drafts = self.accepted = 0
+        self.per_pos: list[int] = []
+        manager = llm.llm_engine.logger_manager
+        record = manager.record
+
+        def counted(*a, scheduler_stats=None, **k):
+            spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+            if spec is not None:
+                self.drafts += spec.num_drafts
+                self.accepted += spec.num_accepted_tokens
+                pos = spec.num_accepted_tokens_per_pos
+                self.per_pos += [0] * (len(pos) - len(self.per_pos))
+                for i, v in enumerate(pos):
+                    self.per_pos[i] += v
+            return record(*a, scheduler_stats=scheduler_stats, **k)
+
+        manager.record = counted
+
+    def counts(self) -> tuple[int, int, list[int]]:
+        """(drafts, accepted tokens, accepted per position) so far, as :func:`spec_counts`."""
+        return self.drafts, self.accepted, list(self.per_pos)
+
+
 # vLLM's spec-decode counters, read the same way as the main job does. The repository root too:
 # the tiny-model builders, trained-pair paths and oracle drafts are test support (tests/support),
 # not part of the installed package.
@@ -128,7 +158,7 @@ from generate import spec_counts  # noqa: E402
 
 def measure(llm, steps, stages, prompts, params, batch):
     """Generate ``prompts`` ``batch`` at a time; returns (token id lists, metrics dict)."""
-    d0, a0, p0 = spec_counts(llm)
+    before = spec_counts(llm)
     steps.clear()
     stages.reset()
     outs = []
@@ -136,18 +166,28 @@ def measure(llm, steps, stages, prompts, params, batch):
     for i in range(0, len(prompts), batch):
         outs += llm.generate(prompts[i:i + batch], params, use_tqdm=False)
     dt = time.perf_counter() - t0
-    d1, a1, p1 = spec_counts(llm)
+    return step_metrics(before, spec_counts(llm), outs, dt, steps, stages)
+
+
+def step_metrics(before, after, outs, seconds, steps, stages=None):
+    """(token id lists, metrics dict) of ``outs`` generated in ``seconds`` of wall time over the
+    engine ``steps`` (their durations, s); ``before`` / ``after``: vLLM's spec-decode counters
+    (drafts, accepted tokens, accepted per position) when the measurement began and ended;
+    ``stages``: tree-build and compaction seconds accumulated meanwhile, or ``None``."""
+    d0, a0, p0 = before
+    d1, a1, p1 = after
     p0 = p0 + [0] * (len(p1) - len(p0))
     drafts = d1 - d0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     step_s = sum(steps)
+    build, compact = (stages.build, stages.compact) if stages is not None else (0.0, 0.0)
     return [list(o.outputs[0].token_ids) for o in outs], {
-        "tokens": n, "seconds": dt, "tok_s": n / dt, "steps": len(steps),
+        "tokens": n, "seconds": seconds, "tok_s": n / seconds, "steps": len(steps),
         "ms_per_step": 1e3 * step_s / max(1, len(steps)),
         "tau": (a1 - a0 + drafts) / drafts if drafts else 1.0,
         "per_depth": [(b - a) / drafts for a, b in zip(p0, p1)][:15] if drafts else [],
-        "build_share": stages.build / step_s if step_s else 0.0,
-        "compact_share": stages.compact / step_s if step_s else 0.0,
+        "build_share": build / step_s if step_s else 0.0,
+        "compact_share": compact / step_s if step_s else 0.0,
     }
 
 
