@@ -1,9 +1,9 @@
 """``"ddtree_budget": "auto"`` against fixed node budgets, DFlash and target-only, one run.
 
 The shipped trained pair (``models/``), greedy, fp32, eager, V1 runner, held-out prompts, at
-batch 1 (prompts one after another) and batch 8 (all prompts in one ``generate``). Interleaved: every configuration's engine
-(target-only, vLLM's DFlash, DDTree at each fixed B, DDTree ``auto``) lives in this process
-through the whole run, and each prompt group (one prompt at batch 1, all eight at batch 8) runs
+batch 1 (prompts one after another) and batch 8 (all prompts in one ``generate``).
+Interleaved: every configuration's engine (target-only, vLLM's DFlash, DDTree at each fixed B,
+DDTree ``auto``) lives in this process through the whole run, and each prompt group (one prompt at batch 1, all eight at batch 8) runs
 on every engine, in a shuffled order, before the next group, so slow spells of this noisy machine
 hit every configuration alike; the table reports the median over rounds. Every output is checked
 against target-only (greedy equality). ``auto`` learns online from the engine's own step times,
