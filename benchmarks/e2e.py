@@ -46,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--part2-budgets", type=int, nargs="+", default=None, help="default: --budgets")
+    p.add_argument("--part2-chain-budgets", type=int, nargs="*", default=[64],
+                   help="also run these budgets with tree attention chain by chain (vLLM's kernel)")
     p.add_argument("--part2-layers", type=int, default=28)
     p.add_argument("--part2-tokens", type=int, default=48)
     p.add_argument("--part2-oracle-rounds", type=int, default=4,
@@ -73,13 +75,17 @@ def parse_args(argv=None):
 
 
 class Stages:
-    """Accumulated seconds in tree building and KV compaction (wrapped module functions)."""
+    """Accumulated seconds in tree building, KV compaction (wrapped module functions) and CPU
+    tree attention (the backend's recomputation of off-spine tree rows, every layer)."""
 
     def __init__(self):
         import vllm_ddtree.commit as commit
         import vllm_ddtree.proposer as proposer
+        from vllm_ddtree.attention.cpu import DDTreeCPUAttentionImpl as impl
 
-        self.build = self.compact = 0.0
+        self.build = self.compact = self.attn = 0.0
+        for name in ("_attend_tree_rows_at_once", "_overwrite_tree_rows"):
+            setattr(impl, name, self._timed(getattr(impl, name)))
         orig_build, orig_compact = proposer.build_draft_trees, commit.compact_kv
 
         def build(*a, **k):
@@ -98,8 +104,17 @@ class Stages:
 
         proposer.build_draft_trees, commit.compact_kv = build, compact
 
+    def _timed(self, method):
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return method(*a, **k)
+            finally:
+                self.attn += time.perf_counter() - t0
+        return timed
+
     def reset(self):
-        self.build = self.compact = 0.0
+        self.build = self.compact = self.attn = 0.0
 
 
 def wrap_steps(llm) -> list[float]:
@@ -253,9 +268,16 @@ def part2(args, stages):
     configs = [("AR", None), ("DFlash", {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15})]
     configs += [(f"DDTree B={b}", {"method": "ddtree", "model": str(drafter), "ddtree_budget": b})
                 for b in args.part2_budgets]
+    # The same budgets with CPU tree attention forced chain by chain through vLLM's kernel (the
+    # path of cache layouts outside ONE_CALL_ISAS, and bf16's before the one-call path).
+    configs += [(f"DDTree B={b} (chains)", {"method": "ddtree", "model": str(drafter), "ddtree_budget": b})
+                for b in args.part2_chain_budgets]
     results, ar_out = [], None
+    import vllm_ddtree.attention.cpu as cpu_attention
+    one_call = cpu_attention.ONE_CALL_ISAS
     for name, spec in configs:
         t0 = time.perf_counter()
+        cpu_attention.ONE_CALL_ISAS = () if name.endswith("(chains)") else one_call
         llm = make_llm(target, **kw, **({"speculative_config": spec} if spec else {}))
         steps = wrap_steps(llm)
         llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
@@ -294,6 +316,7 @@ def part2(args, stages):
         m = {"config": name, "budget": spec.get("ddtree_budget") if spec else None,
              "ms_per_step": 1e3 * statistics.median(decode), "steps": len(decode),
              "build_share": stages.build / sum(steps), "compact_share": stages.compact / sum(steps),
+             "tree_attention_share": stages.attn / sum(steps),
              "decode_seconds": total, "identical_to_ar": first is None, "first_diff_vs_ar": first,
              "ar_top2_gap_at_first_diff": gap, "oracle_rounds": rounds if spec and spec["method"] == "ddtree" else 0,
              "oracle_self_consistent": (got == refs) if spec and spec["method"] == "ddtree" else None}
@@ -302,15 +325,20 @@ def part2(args, stages):
         del llm
         print(f"[part 2] {name:>14}: {m['ms_per_step']:.0f} ms/step (median of {m['steps']})  "
               f"build {100 * m['build_share']:.2f}%  compact {100 * m['compact_share']:.2f}%  "
-              f"= AR {m['identical_to_ar']} (first diff {first}, AR top-2 gap there {gap})  "
+              f"tree attention {100 * m['tree_attention_share']:.1f}%  = AR {m['identical_to_ar']} (first diff {first}, AR top-2 gap there {gap})  "
               f"oracle rounds {m['oracle_rounds']} self-consistent {m['oracle_self_consistent']}  "
               f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    cpu_attention.ONE_CALL_ISAS = one_call
     return results, {"layers": n}
 
 
 # ------------------------------------------------------------------------------------------------
 # Report
 # ------------------------------------------------------------------------------------------------
+
+
+def _pct(x):
+    return "—" if x is None else f"{100 * x:.1f}%"
 
 
 def _fmt_depth(p):
@@ -344,11 +372,12 @@ def report(args, p1, p2, p2_info, elapsed):
                   "Decode steps for the part-2 tokens (DDTree with oracle drafts: few steps = deep "
                   "acceptance); = AR: greedy output equal to AR's (else the first differing index and "
                   "AR's top-2 logprob gap there: bf16 near-ties of the random target).", "",
-                  "| config | ms/step | t_step / t_AR | decode steps | = AR | tree build | KV compaction | "
-                  "τ (part 1) | projected speedup vs AR | vs DFlash |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| config | ms/step | t_step / t_AR | decode steps | = AR | tree attention | tree build | "
+                  "KV compaction | τ (part 1) | projected speedup vs AR | vs DFlash |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         df_proj = None
         for r in p2:
-            tau = by.get((r["config"], 1), {}).get("tau", 1.0)
+            tau = by.get((r["config"].removesuffix(" (chains)"), 1), {}).get("tau", 1.0)
             sp = tau * t_ar / r["ms_per_step"]
             if r["config"] == "DFlash":
                 df_proj = sp
@@ -359,9 +388,10 @@ def report(args, p1, p2, p2_info, elapsed):
                 f"no: index {r['first_diff_vs_ar']}, gap {r['ar_top2_gap_at_first_diff']:.2f}"
                 if r.get("ar_top2_gap_at_first_diff") is not None else "no")
             lines.append(f"| {name} | {r['ms_per_step']:.0f} | {r['ms_per_step'] / t_ar:.2f} | "
-                         f"{r.get('steps', '—')} | {eq} | "
+                         f"{r.get('steps', '—')} | {eq} | {_pct(r.get('tree_attention_share'))} | "
                          f"{100 * r['build_share']:.2f}% | {100 * r['compact_share']:.2f}% | "
-                         f"{by.get((name, 1), {}).get('tau', 1.0):.2f} | {sp:.2f}× | {sp / df_proj:.2f}× |")
+                         f"{by.get((name.removesuffix(' (chains)'), 1), {}).get('tau', 1.0):.2f} | {sp:.2f}× | "
+                         f"{sp / df_proj:.2f}× |")
         lines.append("")
     # targets
     b1 = [r for r in p1 if r["batch"] == 1]
@@ -383,6 +413,11 @@ def report(args, p1, p2, p2_info, elapsed):
             s = r64["build_share"] + r64["compact_share"]
             tgt.append(f"| tree build + KV compaction < 5 % of step time at B=64 (part 2) | {100 * s:.2f}% | "
                        f"{'yes' if s < 0.05 else 'no'} |")
+        c64 = next((r for n, b, _, r in proj if b == 64 and n.endswith("(chains)")), None)
+        if r64 and c64 and r64.get("tree_attention_share") is not None:
+            a, c = r64["tree_attention_share"], c64["tree_attention_share"]
+            tgt.append(f"| tree attention share of the step at B=64 (part 2) at least halved against chain by "
+                       f"chain (issue #17) | {100 * c:.1f}% → {100 * a:.1f}% | {'yes' if a <= c / 2 else 'no'} |")
     lines = tgt + [""] + lines
 
     plot = out / "benchmark_e2e.png"

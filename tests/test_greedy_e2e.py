@@ -288,8 +288,8 @@ def test_eos_inside_accepted_path(qwen3_target, dflash_drafter, reference, tmp_p
 
 
 def test_bf16_greedy_equals_target_only(qwen3_target, dflash_drafter):
-    """In bf16 too: tree rows go through vLLM's own attention kernel, so they round like
-    target-only decoding (bf16 near-ties would expose a tree path computed differently).
+    """In bf16 too: tree rows are computed in float32 and rounded once, within one bf16 ulp of
+    vLLM's own kernel (a tree row computed wrongly would move logits far beyond near-ties).
 
     Equal token for token, except where vLLM's bf16 kernels themselves depend on the batch's
     shape: on CPUs with AMX / AVX-512-bf16, oneDNN's bf16 GEMMs round a row differently with

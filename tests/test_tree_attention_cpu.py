@@ -24,6 +24,7 @@ from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
     _get_attn_isa,
 )
 
+import vllm_ddtree.attention.cpu as cpu_backend  # noqa: E402
 import vllm_ddtree.attention.paged as paged  # noqa: E402
 from vllm_ddtree.attention.common import (  # noqa: E402
     TreeAttentionBatch,
@@ -256,15 +257,19 @@ def test_gather_paged_kv_reads_what_the_writer_wrote(isa, head_size, block_size,
         2, dim=2)[0], key_cache)
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 1])
 @pytest.mark.parametrize("rows", [5, MATMUL_MAX_ROWS, MATMUL_MAX_ROWS + 3])
-@pytest.mark.parametrize("isa,head_size,block_size,dtype",
-                         [c for c in GATHER_CASES if c[0] != "amx" and c[3] == torch.float32])
+@pytest.mark.parametrize("isa,head_size,block_size,dtype", GATHER_CASES)
 def test_attend_paged_heads_equals_dense_attention_over_what_the_writer_wrote(
-        isa, head_size, block_size, dtype, rows):
+        isa, head_size, block_size, dtype, rows, chunk_bytes, monkeypatch):
     """Two requests whose blocks lie shuffled in the cache (the second's partly shared with the
     first), two KV heads, a random visibility mask per row: the result equals dense float32
-    attention over the keys and values written by vLLM's writer, on both sides of
-    ``MATMUL_MAX_ROWS`` (explicit matmuls on the key blocks, and one SDPA call)."""
+    attention over the keys and values written by vLLM's writer (float32 also for bf16 / fp16
+    caches, and for the tiled ``amx`` layout), on both sides of ``MATMUL_MAX_ROWS`` (explicit
+    matmuls on the key blocks, and one SDPA call), with both requests gathered together and one
+    at a time (``GATHER_CHUNK_BYTES``)."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(paged, "GATHER_CHUNK_BYTES", chunk_bytes)
     torch.manual_seed(2)
     num_kv_heads, num_blocks, m = 2, 9, 3
     kv, key_cache, value_cache = make_kv_cache(num_blocks, num_kv_heads, block_size, head_size,
@@ -290,9 +295,9 @@ def test_attend_paged_heads_equals_dense_attention_over_what_the_writer_wrote(
     scale = head_size ** -0.5
     key_rows, value_rows = paged_head_rows(table, num_kv_heads)
     got = attend_paged_heads(query, kv, key_rows, value_rows, bias, scale, isa)
-    assert got.shape == (2, num_kv_heads, rows, head_size) and got.dtype == dtype
-    k = keys.permute(0, 2, 1, 3)  # [2, Hkv, S, D]
-    v = values.permute(0, 2, 1, 3)
+    assert got.shape == (2, num_kv_heads, rows, head_size) and got.dtype == torch.float32
+    k = keys.float().permute(0, 2, 1, 3)  # [2, Hkv, S, D]
+    v = values.float().permute(0, 2, 1, 3)
     scores = (query @ k.transpose(-1, -2)) * scale + bias
     want = torch.softmax(scores, -1) @ v
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -300,8 +305,8 @@ def test_attend_paged_heads_equals_dense_attention_over_what_the_writer_wrote(
     moved = attend_paged_heads(query, kv, *paged_head_rows(table.flip(1), num_kv_heads), bias,
                                scale, isa)
     assert (moved - want).abs().max() > 1e-2
-    with pytest.raises(NotImplementedError, match="amx"):
-        attend_paged_heads(query, kv, key_rows, value_rows, bias, scale, "amx")
+    with pytest.raises(NotImplementedError, match="not been verified"):
+        attend_paged_heads(query, kv, key_rows, value_rows, bias, scale, "neon")
     with pytest.raises(ValueError, match="do not fit"):
         attend_paged_heads(query, kv, key_rows, value_rows, bias[..., :-1], scale, isa)
 
@@ -647,24 +652,30 @@ def _per_node_kernel(sc, impl, requests, head_size, block_size):
     return out
 
 
-@pytest.mark.parametrize("dtype,head_size,block_size,matmul_max_rows", [
-    (torch.float32, 32, 16, None),  # small blocks: paths cross block boundaries
-    (torch.float32, 32, 16, 0),  # fp32 rows through the SDPA branch of attend_paged_heads
-    (torch.bfloat16, 64, 32, None),
-    (torch.bfloat16, 128, 128, None),  # the 0.6B head shape
+@pytest.mark.parametrize("dtype,head_size,block_size,matmul_max_rows,path", [
+    (torch.float32, 32, 16, None, "one call"),  # small blocks: paths cross block boundaries
+    (torch.float32, 32, 16, 0, "one call"),  # through the SDPA branch of attend_paged_heads
+    (torch.float32, 32, 16, None, "chains"),
+    (torch.bfloat16, 64, 32, None, "one call"),
+    (torch.bfloat16, 64, 32, 0, "one call"),
+    (torch.bfloat16, 64, 32, None, "chains"),
+    (torch.bfloat16, 128, 128, None, "one call"),  # the 0.6B head shape
 ])
 def test_tree_rows_equal_reference_and_per_node_kernel(model_dtype, dtype, head_size,
-                                                       block_size, matmul_max_rows,
+                                                       block_size, matmul_max_rows, path,
                                                        monkeypatch):
     """Several requests of different tree shapes and sizes next to plain rows: tree rows equal
     the ancestor-only reference and vLLM's kernel run once per node over its ancestor path
-    (fp32, one torch attention call: to 1e-6; bf16, vLLM's kernel per chain: at most one bf16
-    ulp in an element, since the kernel rounds a row differently in different call shapes),
-    spine rows and non-tree rows are vLLM's bits, the cache ends as vLLM leaves it, and every
-    layer of the step reuses one plan."""
+    (fp32: to 1e-6; bf16: at most one bf16 ulp in an element, since vLLM's kernel rounds a row
+    differently in different call shapes), both in one float32 call per layer and chain by chain
+    through vLLM's kernel (the path of layouts outside ``ONE_CALL_ISAS``); spine rows and
+    non-tree rows are vLLM's bits, the cache ends as vLLM leaves it, and every layer of the
+    step reuses one plan."""
     model_dtype["dtype"] = dtype
     if matmul_max_rows is not None:
         monkeypatch.setattr(paged, "MATMUL_MAX_ROWS", matmul_max_rows)
+    if path == "chains":
+        monkeypatch.setattr(cpu_backend, "ONE_CALL_ISAS", ())
     heads, kv_heads = 8, 2
     names = ["bushy", None, "deep", "chain", "leaves", "spine_then_fork"]
     trees = {r: TREES[nm] for r, nm in enumerate(names) if nm}

@@ -562,7 +562,8 @@ REGISTER: list[Change] = [
        "Overridden and called: vLLM's KV write, then the tree K/V recorded for compaction.",
        both("(self, layer, key, value, kv_cache, slot_mapping)"), _ACPU, _CPU),
     _c(f"{_OPS}:cpu_attention_with_kv_cache", "dependency",
-       "vLLM's CPU attention kernel, called once per chain wave of tree rows (bf16/fp16 caches).",
+       "vLLM's CPU attention kernel, once per chain wave of tree rows (cache layouts outside "
+       "ONE_CALL_ISAS).",
        both("(query, key_cache, value_cache, output, query_start_loc, seq_lens, scale, causal, "
             "alibi_slopes, sliding_window, block_table, softcap, scheduler_metadata, s_aux, "
             "dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype='auto')"), _ACPU, _CPU),

@@ -11,18 +11,19 @@ verification forward:
 * ``do_kv_cache_update`` additionally records the layer's fresh K/V for KV compaction;
 * ``forward`` runs vLLM's kernel for the whole batch, then recomputes the tree rows that the
   causal result got wrong (rows with a sibling branch among their predecessors) under the
-  ancestor-only mask of the DDTree paper (§3). How depends on the cache dtype:
+  ancestor-only mask of the DDTree paper (§3), in one of two ways by the cache's block layout:
 
-  - **float32**: one batched ``torch.nn.functional.scaled_dot_product_attention`` call per layer
-    for all such rows of all requests, over each request's cache blocks, read once
-    (:func:`~vllm_ddtree.attention.paged.attend_paged_heads`). In float32 no
-    method rounds a tree row bit-identically to a decode row (vLLM's kernel itself does not: its
-    result moves in the last bits with the call's shape), and reading the context once per
-    request instead of once per chain is what makes large trees affordable.
-  - **bf16 / fp16**: vLLM's own kernel, one causal query per chain (a root→leaf path suffix,
-    :func:`tree_chains`) over the path laid out contiguously in the tree's KV slots, so tree rows
-    round like vLLM's own verification rows; in these dtypes torch's attention differs from
-    vLLM's kernel by an ulp often enough to flip greedy near-ties against target-only decoding.
+  - **one call per layer** (the layouts in :data:`ONE_CALL_ISAS`, i.e. every x86 layout vLLM
+    0.32 / 0.33 writes: ``vec``, ``vec16``, ``amx``): one batched float32 attention for all such
+    rows of all requests, over each request's cache blocks, read once
+    (:func:`~vllm_ddtree.attention.paged.attend_paged_heads`), rounded once to the cache dtype.
+    Reading the context once per request instead of once per chain is what makes large trees
+    affordable. No method rounds a tree row bit-identically to a decode row: vLLM's kernel
+    itself moves a row in the last bits with the call's shape (query length, the other
+    requests, split-KV scheduling).
+  - **chain by chain** (any other layout, whose bytes the plugin does not read): vLLM's own
+    kernel, one causal query per chain (a root→leaf path suffix, :func:`tree_chains`) over the
+    path laid out contiguously in the tree's KV slots; every chain re-reads the context.
 
   The torch :func:`vllm_ddtree.attention.paged.tree_attention_reference` is the test oracle.
   This plays the role of the removed ``tree_attn.py``'s ``qq_bias`` path (vLLM PR #20401,
@@ -50,9 +51,22 @@ from vllm_ddtree.attention.common import (
     TreeAttentionRequest,
     active_tree_batch,
 )
-from vllm_ddtree.attention.paged import _paged_head_rows, attend_paged_heads, gather_paged_kv
+from vllm_ddtree.attention.paged import (
+    VERIFIED_ISAS,
+    _paged_head_rows,
+    attend_paged_heads,
+    gather_paged_kv,
+)
 
-__all__ = ["DDTreeCPUAttentionBackend", "DDTreeCPUAttentionImpl", "off_spine_rows", "tree_chains"]
+__all__ = ["DDTreeCPUAttentionBackend", "DDTreeCPUAttentionImpl", "ONE_CALL_ISAS",
+           "off_spine_rows", "tree_chains"]
+
+#: CPU attention ISAs (``layer.isa``, vLLM's ``_get_attn_isa``) whose tree rows are recomputed in
+#: one float32 call per layer over the cache blocks; any other goes chain by chain through
+#: vLLM's kernel. Measured on one layer of Qwen3-0.6B's shape (bf16, context 800, 2 cores,
+#: ``benchmarks/cpu_tree_attention.py``), the time beyond vLLM's causal kernel at B = 64, batch
+#: 1 / 8: 10.9 / 64.3 ms chain by chain, 3.6 / 31.9 ms in one call.
+ONE_CALL_ISAS: tuple[str, ...] = VERIFIED_ISAS
 
 
 def off_spine_rows(ancestor_mask: torch.Tensor) -> torch.Tensor:
@@ -366,7 +380,7 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
             layer, query, key, value, kv_cache, attn_metadata, output,
             output_scale, output_block_scale,
         )
-        if kv_cache.dtype == torch.float32:
+        if getattr(layer, "isa", None) in ONE_CALL_ISAS:
             self._attend_tree_rows_at_once(layer, query, kv_cache, attn_metadata, output, batch)
         else:
             self._overwrite_tree_rows(layer, query, key, value, kv_cache, attn_metadata, output,
@@ -402,7 +416,7 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         output: torch.Tensor,
         batch: TreeAttentionBatch,
     ) -> None:
-        """Float32 caches: recompute every off-spine tree row in one attention call.
+        """Layouts in :data:`ONE_CALL_ISAS`: recompute every off-spine tree row in one call.
 
         A row whose ancestor-or-self set is ``{0 … i}`` (the root and a spine prefix) already got
         the right result from vLLM's causal kernel and keeps its bits. All other rows of all
@@ -418,11 +432,16 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         attention metadata, so it is built once per forward and cached in
         ``batch.backend_cache`` for every layer with the same metadata object and heads.
 
-        Rounding: torch's CPU attention, not vLLM's kernel, rounds these rows (~1e-7 relative
-        apart); vLLM's kernel itself moves a row by as much with the call's shape (query length,
-        the other requests of the call, split-KV scheduling). The ancestor mask is exact.
-        Reading the context once per request instead of once per root→leaf chain (vLLM's kernel
-        takes one contiguous sequence per query) is what makes large trees affordable.
+        Rounding: torch computes these rows in float32 from the cache's values and rounds each
+        element once to the cache dtype; vLLM's kernel (float32 arithmetic too, another
+        summation order) lands ~1e-7 relative away, and itself moves a row by as much with the
+        call's shape (query length, the other requests of the call, split-KV scheduling). In
+        bf16 that is one ulp in a few elements of some rows: measured against vLLM's kernel run
+        as a one-token decode over each row's ancestor path (``benchmarks/tree_row_rounding.py``:
+        Qwen3-0.6B's heads, trees of 64 and 16 nodes), 5.8e-4 of the elements differ (328 of
+        480 rows have one), where the chain-by-chain rows, i.e. vLLM's own chain-verification
+        rounding, differ in 3.0e-4 (203 of 480 rows); both by at most 0.63 ε of the row's
+        largest element. The ancestor mask is exact.
         """
         isa = getattr(layer, "isa", None)
         if isa is None:
@@ -524,7 +543,8 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         output: torch.Tensor,
         batch: TreeAttentionBatch,
     ) -> None:
-        """bf16 / fp16 caches: recompute off-spine tree rows with vLLM's kernel, chain by chain.
+        """Layouts outside :data:`ONE_CALL_ISAS`: recompute off-spine tree rows with vLLM's
+        kernel, chain by chain (it needs no knowledge of the cache's block layout).
 
         A row whose ancestor-or-self set is ``{0 … i}`` (the root and a spine prefix) already got
         the right result from vLLM's causal kernel. Every other row is recomputed **with vLLM's

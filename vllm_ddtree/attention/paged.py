@@ -12,9 +12,8 @@ Free of vLLM imports, so the readers also serve as test oracles:
   ``vllm/v1/attention/backends/cpu_attn.py``). The block-interior layout depends on the ISA
   string the CPU backend picked (``layer.isa``); only the layouts verified against that writer are
   read (see :data:`VERIFIED_ISAS`), anything else raises ``NotImplementedError``.
-* :func:`attend_paged_heads` -- attention of several requests' rows over whole cache blocks in
-  the ``vec`` / ``vec16`` layouts, each block read once (the CPU backend's float32 tree rows use
-  it).
+* :func:`attend_paged_heads` -- attention of several requests' rows over whole cache blocks,
+  each block read once, computed in float32 (the CPU backend's tree rows use it).
 
 Layouts (per block ``b`` and KV head ``h``; the cache tensor is ``[num_blocks, num_kv_heads,
 block_size, 2 * head_size]``, viewed ``[nb, Hkv, 2 * bs, D]`` and split in halves, so the key part
@@ -52,6 +51,14 @@ VERIFIED_ISAS: tuple[str, ...] = ("vec", "vec16", "amx")
 #: batch 1 but 962 against 857 µs at batch 5, and at 492 rows (B = 256) 885 against 775 µs:
 #: large score matrices favour the tiled kernel.
 MATMUL_MAX_ROWS = 64
+
+#: :func:`attend_paged_heads` gathers the blocks of as many requests at a time as fit this many
+#: bytes as float32 keys and values (at least one request). Measured per layer (2 cores, blocks
+#: of 128): Qwen3-0.6B's shape (8 KV heads of 128, context 800, 7.3 MB a request) at batch 8,
+#: B = 16 / 64, bf16: all requests at once 30.3 / 74.4 ms, one at a time 18.6 / 54.1 ms (fp32:
+#: 31.1 / 74.2 against 19.8 / 52.9); the shipped pair's shape (2 KV heads of 64, context 150,
+#: 0.26 MB a request) at batch 8, B = 8: all at once 0.8 ms, one at a time 1.5 ms.
+GATHER_CHUNK_BYTES = 4 << 20
 
 
 def tree_attention_reference(
@@ -250,8 +257,12 @@ def attend_paged_heads(
     of vLLM's ``cpu_attn_reshape_and_cache``), a softmax and a matmul with the values; above it
     the keys are transposed to token-major and the attention is one
     ``torch.nn.functional.scaled_dot_product_attention`` call (its CPU kernel tiles the scores,
-    which matters at a few hundred tree rows). Computed in the cache dtype; the plugin calls it
-    for float32 caches.
+    which matters at a few hundred tree rows). In the ``amx`` layout (bf16 on CPUs with AMX) the
+    keys are stored in tiles, so both keys and values are first unpacked to token-major order.
+    Computed in float32 (a bf16 / fp16 cache's blocks are converted after the gather), so for
+    those dtypes the caller rounds each result element once. Requests are gathered a group at a
+    time, as many as fit :data:`GATHER_CHUNK_BYTES` (the cache-resident working set is what
+    large contexts at batch 8 were paying for).
 
     Args:
         query: ``[R, Hkv, G, D]``: ``G`` query rows of request ``r`` per KV head (the caller
@@ -266,11 +277,11 @@ def attend_paged_heads(
         isa: the ISA string the backend wrote with (``layer.isa``).
 
     Returns:
-        ``[R, Hkv, G, D]`` in the cache dtype.
+        ``[R, Hkv, G, D]`` float32.
 
     Raises:
-        NotImplementedError: a layout other than ``vec`` / ``vec16`` (``amx`` stores keys in
-            tiles), or an unverified one.
+        NotImplementedError: a layout not verified against vLLM's writer (see
+            :data:`VERIFIED_ISAS`), or fp8.
         ValueError: inconsistent shapes or a non-contiguous cache.
     """
     if kv_cache.dim() != 4 or kv_cache.shape[3] % 2 or query.dim() != 4:
@@ -281,8 +292,6 @@ def attend_paged_heads(
     num_blocks, num_kv_heads, block_size, two_d = kv_cache.shape
     head_size = two_d // 2
     _check_layout_supported(isa, kv_cache.dtype, block_size, head_size)
-    if isa not in ("vec", "vec16"):
-        raise NotImplementedError(f"attend_paged_heads reads the vec / vec16 layouts, not {isa!r}")
     r, hkv, rows_per_head, d = query.shape
     m = key_rows.numel() // max(r * hkv, 1)
     if (hkv != num_kv_heads or d != head_size or not kv_cache.is_contiguous()
@@ -293,19 +302,47 @@ def attend_paged_heads(
             f"{kv_cache.is_contiguous()}), key_rows {tuple(key_rows.shape)}, value_rows "
             f"{tuple(value_rows.shape)} and bias {tuple(bias.shape)} do not fit together"
         )
-    seq = m * block_size
     rows = kv_cache.view(num_blocks * num_kv_heads * 2, block_size * head_size)
-    query = query.to(kv_cache.dtype)
-    bias = bias.to(kv_cache.dtype)
-    values = rows.index_select(0, value_rows).view(r, hkv, seq, head_size)
-    key_blocks = rows.index_select(0, key_rows).view(r, hkv, m, head_size, block_size)
+    query = query.to(torch.float32)
+    bias = bias.to(torch.float32)
+    per_request = 2 * hkv * m * block_size * head_size * 4  # float32 keys + values
+    chunk = max(1, GATHER_CHUNK_BYTES // per_request)
+    if r <= chunk:
+        return _attend_blocks(query, rows, key_rows, value_rows, bias, scale, isa, m, block_size)
+    n = hkv * m  # cache rows per request and half
+    return torch.cat([
+        _attend_blocks(query[a:a + chunk], rows, key_rows[a * n:(a + chunk) * n],
+                       value_rows[a * n:(a + chunk) * n], bias[a:a + chunk], scale, isa, m,
+                       block_size)
+        for a in range(0, r, chunk)])
+
+
+def _attend_blocks(query, rows, key_rows, value_rows, bias, scale, isa, m, block_size):
+    """:func:`attend_paged_heads` on validated float32 inputs for one group of requests;
+    ``rows`` is the cache as ``[nb * Hkv * 2, bs * D]``."""
+    r, hkv, rows_per_head, head_size = query.shape
+    seq = m * block_size
+    raw_keys = rows.index_select(0, key_rows)
+    raw_values = rows.index_select(0, value_rows)
+    if isa == "amx":  # keys in tiles: unpack both halves to token-major first
+        keys, values = _blocks_head_major(
+            raw_keys.view(r, hkv, m, block_size, head_size).transpose(1, 2),
+            raw_values.view(r, hkv, m, block_size, head_size).transpose(1, 2), isa)
+        keys, values, key_blocks = keys.float(), values.float(), None
+    else:
+        values = raw_values.view(r, hkv, seq, head_size).float()
+        key_blocks = raw_keys.view(r, hkv, m, head_size, block_size).float()
     if rows_per_head <= MATMUL_MAX_ROWS:
-        # Scores straight off the writer's [D, bs] key blocks: no transpose copy of the keys.
-        scores = torch.matmul(query.unsqueeze(2), key_blocks)  # [R, Hkv, m, G, bs]
-        scores = scores.permute(0, 1, 3, 2, 4).reshape(r, hkv, rows_per_head, seq)
+        if key_blocks is None:
+            scores = torch.matmul(query, keys.transpose(-1, -2))
+        else:
+            # Scores straight off the writer's [D, bs] key blocks: no transpose copy of the keys.
+            scores = torch.matmul(query.unsqueeze(2), key_blocks)  # [R, Hkv, m, G, bs]
+            scores = scores.permute(0, 1, 3, 2, 4).reshape(r, hkv, rows_per_head, seq)
         probs = torch.softmax(torch.add(bias, scores, alpha=scale), dim=-1)
         return torch.matmul(probs, values)
-    keys = key_blocks.transpose(-1, -2).reshape(r, hkv, seq, head_size)
+    if key_blocks is not None:
+        keys = key_blocks.transpose(-1, -2).reshape(r, hkv, seq, head_size)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scale)
 
 
