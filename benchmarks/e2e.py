@@ -50,8 +50,11 @@ def parse_args(argv=None):
                    help="also run these budgets with tree attention chain by chain (vLLM's kernel)")
     p.add_argument("--part2-layers", type=int, default=28)
     p.add_argument("--part2-tokens", type=int, default=48)
+    p.add_argument("--part2-context", type=int, default=0,
+                   help="part-2 prompt length in tokens (0: one held-out prompt as it is)")
     p.add_argument("--part2-oracle-rounds", type=int, default=4,
-                   help="DDTree runs per budget at most, refreshing the oracle drafts with the engine's own output")
+                   help="DDTree runs per budget at most, refreshing the oracle drafts with the engine's own output "
+                        "(0: no oracle, the random drafter's own trees)")
     p.add_argument("--skip-part2", action="store_true")
     p.add_argument("--part1-from", default=None,
                    help="JSON written by an earlier run (e.g. docs/benchmark_e2e.json): reuse its part-1 "
@@ -263,13 +266,25 @@ def part2(args, stages):
     drafter = cached_build(Path(args.cache), "bench_qwen3_06b_shape_dflash", build_dflash_drafter,
                            target_dir=str(target), block_size=16, num_layers=2, target_layer_ids=[1, n - 1])
     prompt = trained.heldout_prompts(1)
+    if args.part2_context:
+        # One long prompt: held-out prompts joined until the committed context reaches the
+        # asked length (tree attention's cost grows with the context every tree row reads).
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(trained.TARGET_DIR)
+        ids: list[int] = []
+        for text in trained.heldout_prompts() * (1 + args.part2_context // 50):
+            ids += tok(text + "\n\n")["input_ids"]
+            if len(ids) >= args.part2_context:
+                break
+        prompt = [{"prompt_token_ids": ids[:args.part2_context]}]
     params = SamplingParams(temperature=0, max_tokens=args.part2_tokens, ignore_eos=True, logprobs=2)
-    kw = dict(max_num_batched_tokens=512, max_num_seqs=1)
+    kw = dict(max_num_batched_tokens=max(512, args.part2_context + 16), max_num_seqs=1,  # one prefill step
+              max_model_len=max(1024, args.part2_context + args.part2_tokens + max(args.part2_budgets) + 64))
     configs = [("AR", None), ("DFlash", {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15})]
     configs += [(f"DDTree B={b}", {"method": "ddtree", "model": str(drafter), "ddtree_budget": b})
                 for b in args.part2_budgets]
     # The same budgets with CPU tree attention forced chain by chain through vLLM's kernel (the
-    # path of cache layouts outside ONE_CALL_ISAS, and bf16's before the one-call path).
+    # path of small bf16 / fp16 trees and of cache layouts outside ONE_CALL_ISAS).
     configs += [(f"DDTree B={b} (chains)", {"method": "ddtree", "model": str(drafter), "ddtree_budget": b})
                 for b in args.part2_chain_budgets]
     results, ar_out = [], None
@@ -293,7 +308,7 @@ def part2(args, stages):
             rounds += 1
             steps.clear()
             stages.reset()
-            if spec is not None and spec["method"] == "ddtree":
+            if spec is not None and spec["method"] == "ddtree" and args.part2_oracle_rounds:
                 with injected_drafts(OracleDrafts(refs)):
                     outs = llm.generate(prompt, params, use_tqdm=False)
             else:
@@ -315,8 +330,10 @@ def part2(args, stages):
             gap = lps[0] - lps[1] if len(lps) > 1 else None
         m = {"config": name, "budget": spec.get("ddtree_budget") if spec else None,
              "ms_per_step": 1e3 * statistics.median(decode), "steps": len(decode),
+             "context": len(outs[0].prompt_token_ids),
              "build_share": stages.build / sum(steps), "compact_share": stages.compact / sum(steps),
-             "tree_attention_share": stages.attn / sum(steps),
+             "tree_attention_ms": 1e3 * stages.attn / max(1, len(decode)),
+             "tree_attention_share": stages.attn / total if total else 0.0,
              "decode_seconds": total, "identical_to_ar": first is None, "first_diff_vs_ar": first,
              "ar_top2_gap_at_first_diff": gap, "oracle_rounds": rounds if spec and spec["method"] == "ddtree" else 0,
              "oracle_self_consistent": (got == refs) if spec and spec["method"] == "ddtree" else None}
@@ -325,7 +342,7 @@ def part2(args, stages):
         del llm
         print(f"[part 2] {name:>14}: {m['ms_per_step']:.0f} ms/step (median of {m['steps']})  "
               f"build {100 * m['build_share']:.2f}%  compact {100 * m['compact_share']:.2f}%  "
-              f"tree attention {100 * m['tree_attention_share']:.1f}%  = AR {m['identical_to_ar']} (first diff {first}, AR top-2 gap there {gap})  "
+              f"tree attention {m['tree_attention_ms']:.1f} ms/step ({100 * m['tree_attention_share']:.1f}%)  = AR {m['identical_to_ar']} (first diff {first}, AR top-2 gap there {gap})  "
               f"oracle rounds {m['oracle_rounds']} self-consistent {m['oracle_self_consistent']}  "
               f"({time.perf_counter() - t0:.0f}s)", flush=True)
     cpu_attention.ONE_CALL_ISAS = one_call
@@ -337,8 +354,10 @@ def part2(args, stages):
 # ------------------------------------------------------------------------------------------------
 
 
-def _pct(x):
-    return "—" if x is None else f"{100 * x:.1f}%"
+def _attn(r):
+    if r.get("tree_attention_ms") is None:
+        return "—"
+    return f"{r['tree_attention_ms']:.1f} ms ({100 * r['tree_attention_share']:.1f}%)"
 
 
 def _fmt_depth(p):
@@ -366,8 +385,9 @@ def report(args, p1, p2, p2_info, elapsed):
     proj = []
     if p2:
         t_ar = next(r for r in p2 if r["config"] == "AR")["ms_per_step"]
+        ctx = p2[0].get("context")
         lines += [f"### Part 2: step cost on a Qwen3-0.6B-shaped random target ({p2_info['layers']} layers), "
-                  "batch 1, and the projected speedup", "",
+                  f"batch 1{f', a {ctx}-token prompt' if ctx else ''}, and the projected speedup", "",
                   "Projected speedup = τ (part 1, batch 1) × t_AR / t_step. **A projection, not a measurement.**", "",
                   "Decode steps for the part-2 tokens (DDTree with oracle drafts: few steps = deep "
                   "acceptance); = AR: greedy output equal to AR's (else the first differing index and "
@@ -388,7 +408,7 @@ def report(args, p1, p2, p2_info, elapsed):
                 f"no: index {r['first_diff_vs_ar']}, gap {r['ar_top2_gap_at_first_diff']:.2f}"
                 if r.get("ar_top2_gap_at_first_diff") is not None else "no")
             lines.append(f"| {name} | {r['ms_per_step']:.0f} | {r['ms_per_step'] / t_ar:.2f} | "
-                         f"{r.get('steps', '—')} | {eq} | {_pct(r.get('tree_attention_share'))} | "
+                         f"{r.get('steps', '—')} | {eq} | {_attn(r)} | "
                          f"{100 * r['build_share']:.2f}% | {100 * r['compact_share']:.2f}% | "
                          f"{by.get((name.removesuffix(' (chains)'), 1), {}).get('tau', 1.0):.2f} | {sp:.2f}× | "
                          f"{sp / df_proj:.2f}× |")
@@ -414,10 +434,11 @@ def report(args, p1, p2, p2_info, elapsed):
             tgt.append(f"| tree build + KV compaction < 5 % of step time at B=64 (part 2) | {100 * s:.2f}% | "
                        f"{'yes' if s < 0.05 else 'no'} |")
         c64 = next((r for n, b, _, r in proj if b == 64 and n.endswith("(chains)")), None)
-        if r64 and c64 and r64.get("tree_attention_share") is not None:
+        if r64 and c64 and r64.get("tree_attention_ms") is not None:
             a, c = r64["tree_attention_share"], c64["tree_attention_share"]
             tgt.append(f"| tree attention share of the step at B=64 (part 2) at least halved against chain by "
-                       f"chain (issue #17) | {100 * c:.1f}% → {100 * a:.1f}% | {'yes' if a <= c / 2 else 'no'} |")
+                       f"chain (issue #17) | {100 * c:.1f}% → {100 * a:.1f}% ({c64['tree_attention_ms']:.0f} → "
+                       f"{r64['tree_attention_ms']:.0f} ms/step) | {'yes' if a <= c / 2 else 'no'} |")
     lines = tgt + [""] + lines
 
     plot = out / "benchmark_e2e.png"

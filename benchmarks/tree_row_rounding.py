@@ -80,6 +80,7 @@ def main(argv=None):
                           for q in requests])
         ours, vllms = t.make_impls(heads, head_size, kv_heads)
         outs = {}
+        cpu_backend.LOW_PRECISION_ONE_CALL_MIN_ROWS = 0  # the path is chosen here, not by size
         for name, isas in paths.items():
             cpu_backend.ONE_CALL_ISAS = isas
             with tree_attention_active(TreeAttentionBatch(requests=requests, tree_rows=rows)):

@@ -288,8 +288,10 @@ def test_eos_inside_accepted_path(qwen3_target, dflash_drafter, reference, tmp_p
 
 
 def test_bf16_greedy_equals_target_only(qwen3_target, dflash_drafter):
-    """In bf16 too: tree rows are computed in float32 and rounded once, within one bf16 ulp of
-    vLLM's own kernel (a tree row computed wrongly would move logits far beyond near-ties).
+    """In bf16 too, on both CPU tree-attention paths: at B = 15 vLLM's own kernel chain by
+    chain, at B = 40 one float32 call per layer rounded once (``LOW_PRECISION_ONE_CALL_MIN_ROWS``),
+    each within one bf16 ulp of vLLM's decode rows (a tree row computed wrongly would move logits
+    far beyond near-ties).
 
     Equal token for token, except where vLLM's bf16 kernels themselves depend on the batch's
     shape: on CPUs with AMX / AVX-512-bf16, oneDNN's bf16 GEMMs round a row differently with

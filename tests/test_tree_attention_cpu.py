@@ -676,6 +676,8 @@ def test_tree_rows_equal_reference_and_per_node_kernel(model_dtype, dtype, head_
         monkeypatch.setattr(paged, "MATMUL_MAX_ROWS", matmul_max_rows)
     if path == "chains":
         monkeypatch.setattr(cpu_backend, "ONE_CALL_ISAS", ())
+    else:  # these trees are small: bf16 would take the chains by default
+        monkeypatch.setattr(cpu_backend, "LOW_PRECISION_ONE_CALL_MIN_ROWS", 0)
     heads, kv_heads = 8, 2
     names = ["bushy", None, "deep", "chain", "leaves", "spine_then_fork"]
     trees = {r: TREES[nm] for r, nm in enumerate(names) if nm}
@@ -696,7 +698,8 @@ def test_tree_rows_equal_reference_and_per_node_kernel(model_dtype, dtype, head_
         out = run_impl(ours, sc, kv_ours)
         kv_again = sc.kv_cache.clone()
         out_again = run_impl(ours, sc, kv_again)  # a second layer with the same metadata
-    assert len(batch.backend_cache) == 1
+    assert [k[1] for k in batch.backend_cache] == [
+        "cpu_tree_rows" if path == "one call" else "cpu_waves"]
     assert torch.equal(out_again, out) and torch.equal(kv_again, kv_ours)
     expected = run_impl(vllms, sc, kv_vllm)
     assert torch.equal(kv_ours, kv_vllm)
@@ -723,3 +726,30 @@ def test_tree_rows_equal_reference_and_per_node_kernel(model_dtype, dtype, head_
             else:
                 ulp = 2.0 ** -7 * torch.maximum(got.abs(), want.abs())
                 assert ((got - want).abs() <= ulp).all(), (req.batch_index, i)
+
+
+@pytest.mark.parametrize("dtype,rows,plan", [
+    (torch.float32, 6, "cpu_tree_rows"),
+    (torch.bfloat16, 6, "cpu_waves"),
+    (torch.bfloat16, cpu_backend.LOW_PRECISION_ONE_CALL_MIN_ROWS, "cpu_tree_rows"),
+])
+def test_small_low_precision_trees_go_chain_by_chain(model_dtype, dtype, rows, plan):
+    """float32 trees always take the one-call path; bf16 trees only from
+    ``LOW_PRECISION_ONE_CALL_MIN_ROWS`` rows on (below, converting the gathered blocks costs more
+    than vLLM's kernel per chain), and either way match the ancestor-only reference."""
+    model_dtype["dtype"] = dtype
+    parents = [-1] + [max(0, i - 2) for i in range(1, rows)]  # two interleaved branches
+    sc = make_scenario([40], [rows], num_heads=4, num_kv_heads=2, head_size=64, block_size=32,
+                       dtype=dtype, seed=3)
+    req = TreeAttentionRequest(batch_index=0, query_start=0, num_rows=rows, context_len=40,
+                               ancestor_mask=parents_to_mask(parents))
+    batch = TreeAttentionBatch(requests=[req], tree_rows=torch.arange(rows))
+    ours, _ = make_impls(4, 64, 2)
+    with tree_attention_active(batch):
+        out = run_impl(ours, sc, sc.kv_cache.clone())
+    assert [k[1] for k in batch.backend_cache] == [plan]
+    ref = tree_attention_reference(sc.query[:rows], torch.cat([sc.prefix_k[0], sc.key[:rows]]),
+                                   torch.cat([sc.prefix_v[0], sc.value[:rows]]), 40,
+                                   req.ancestor_mask, 64 ** -0.5)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out[:rows], ref, **tol)

@@ -11,19 +11,21 @@ verification forward:
 * ``do_kv_cache_update`` additionally records the layer's fresh K/V for KV compaction;
 * ``forward`` runs vLLM's kernel for the whole batch, then recomputes the tree rows that the
   causal result got wrong (rows with a sibling branch among their predecessors) under the
-  ancestor-only mask of the DDTree paper (§3), in one of two ways by the cache's block layout:
+  ancestor-only mask of the DDTree paper (§3), in one of two ways:
 
   - **one call per layer** (the layouts in :data:`ONE_CALL_ISAS`, i.e. every x86 layout vLLM
-    0.32 / 0.33 writes: ``vec``, ``vec16``, ``amx``): one batched float32 attention for all such
-    rows of all requests, over each request's cache blocks, read once
+    0.32 / 0.33 writes: ``vec``, ``vec16``, ``amx``; for bf16 / fp16 caches only from
+    :data:`LOW_PRECISION_ONE_CALL_MIN_ROWS` tree rows on): one batched float32 attention for
+    all such rows of all requests, over each request's cache blocks, read once
     (:func:`~vllm_ddtree.attention.paged.attend_paged_heads`), rounded once to the cache dtype.
     Reading the context once per request instead of once per chain is what makes large trees
     affordable. No method rounds a tree row bit-identically to a decode row: vLLM's kernel
     itself moves a row in the last bits with the call's shape (query length, the other
     requests, split-KV scheduling).
-  - **chain by chain** (any other layout, whose bytes the plugin does not read): vLLM's own
-    kernel, one causal query per chain (a root→leaf path suffix, :func:`tree_chains`) over the
-    path laid out contiguously in the tree's KV slots; every chain re-reads the context.
+  - **chain by chain** (any other layout, whose bytes the plugin does not read, and small bf16
+    / fp16 trees): vLLM's own kernel, one causal query per chain (a root→leaf path suffix,
+    :func:`tree_chains`) over the path laid out contiguously in the tree's KV slots; every
+    chain re-reads the context.
 
   The torch :func:`vllm_ddtree.attention.paged.tree_attention_reference` is the test oracle.
   This plays the role of the removed ``tree_attn.py``'s ``qq_bias`` path (vLLM PR #20401,
@@ -58,15 +60,20 @@ from vllm_ddtree.attention.paged import (
     gather_paged_kv,
 )
 
-__all__ = ["DDTreeCPUAttentionBackend", "DDTreeCPUAttentionImpl", "ONE_CALL_ISAS",
-           "off_spine_rows", "tree_chains"]
+__all__ = ["DDTreeCPUAttentionBackend", "DDTreeCPUAttentionImpl",
+           "LOW_PRECISION_ONE_CALL_MIN_ROWS", "ONE_CALL_ISAS", "off_spine_rows", "tree_chains"]
 
-#: CPU attention ISAs (``layer.isa``, vLLM's ``_get_attn_isa``) whose tree rows are recomputed in
-#: one float32 call per layer over the cache blocks; any other goes chain by chain through
-#: vLLM's kernel. Measured on one layer of Qwen3-0.6B's shape (bf16, context 800, 2 cores,
-#: ``benchmarks/cpu_tree_attention.py``), the time beyond vLLM's causal kernel at B = 64, batch
-#: 1 / 8: 10.9 / 64.3 ms chain by chain, 3.6 / 31.9 ms in one call.
+#: CPU attention ISAs (``layer.isa``, vLLM's ``_get_attn_isa``) whose tree rows can be recomputed
+#: in one float32 call per layer over the cache blocks; any other goes chain by chain through
+#: vLLM's kernel.
 ONE_CALL_ISAS: tuple[str, ...] = VERIFIED_ISAS
+
+#: bf16 / fp16 caches take the one-call path only for steps whose largest tree has at least this
+#: many rows (float32 caches always do): the call converts the gathered blocks to float32, which
+#: small trees do not repay. Measured in the engine (``benchmarks/e2e.py`` part 2: Qwen3-0.6B's
+#: shape, 28 layers, bf16, an 800-token prompt, the random drafter's trees), tree attention per
+#: step one call / chain by chain: B = 16 28 / 17.5 ms, B = 32 51 / 54 ms, B = 64 83 / 121 ms.
+LOW_PRECISION_ONE_CALL_MIN_ROWS = 33
 
 
 def off_spine_rows(ancestor_mask: torch.Tensor) -> torch.Tensor:
@@ -380,7 +387,9 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
             layer, query, key, value, kv_cache, attn_metadata, output,
             output_scale, output_block_scale,
         )
-        if getattr(layer, "isa", None) in ONE_CALL_ISAS:
+        if getattr(layer, "isa", None) in ONE_CALL_ISAS and (
+                kv_cache.dtype == torch.float32
+                or max(req.num_rows for req in batch.requests) >= LOW_PRECISION_ONE_CALL_MIN_ROWS):
             self._attend_tree_rows_at_once(layer, query, kv_cache, attn_metadata, output, batch)
         else:
             self._overwrite_tree_rows(layer, query, key, value, kv_cache, attn_metadata, output,
@@ -416,7 +425,8 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         output: torch.Tensor,
         batch: TreeAttentionBatch,
     ) -> None:
-        """Layouts in :data:`ONE_CALL_ISAS`: recompute every off-spine tree row in one call.
+        """Layouts in :data:`ONE_CALL_ISAS` (bf16 / fp16: large trees): recompute every
+        off-spine tree row in one call.
 
         A row whose ancestor-or-self set is ``{0 … i}`` (the root and a spine prefix) already got
         the right result from vLLM's causal kernel and keeps its bits. All other rows of all
@@ -543,8 +553,9 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         output: torch.Tensor,
         batch: TreeAttentionBatch,
     ) -> None:
-        """Layouts outside :data:`ONE_CALL_ISAS`: recompute off-spine tree rows with vLLM's
-        kernel, chain by chain (it needs no knowledge of the cache's block layout).
+        """Layouts outside :data:`ONE_CALL_ISAS`, and small bf16 / fp16 trees: recompute
+        off-spine tree rows with vLLM's kernel, chain by chain (it needs no knowledge of the
+        cache's block layout).
 
         A row whose ancestor-or-self set is ``{0 … i}`` (the root and a spine prefix) already got
         the right result from vLLM's causal kernel. Every other row is recomputed **with vLLM's

@@ -331,7 +331,14 @@ def _attend_blocks(query, rows, key_rows, value_rows, bias, scale, isa, m, block
         keys, values, key_blocks = keys.float(), values.float(), None
     else:
         values = raw_values.view(r, hkv, seq, head_size).float()
-        key_blocks = raw_keys.view(r, hkv, m, head_size, block_size).float()
+        key_blocks = raw_keys.view(r, hkv, m, head_size, block_size)
+        if rows_per_head <= MATMUL_MAX_ROWS:
+            key_blocks = key_blocks.float()
+        else:  # token-major for SDPA: transposed and converted in one copy
+            keys = torch.empty(r, hkv, m, block_size, head_size, dtype=torch.float32,
+                               device=query.device)
+            keys = keys.copy_(key_blocks.transpose(-1, -2)).view(r, hkv, seq, head_size)
+            key_blocks = None
     if rows_per_head <= MATMUL_MAX_ROWS:
         if key_blocks is None:
             scores = torch.matmul(query, keys.transpose(-1, -2))
@@ -341,8 +348,6 @@ def _attend_blocks(query, rows, key_rows, value_rows, bias, scale, isa, m, block
             scores = scores.permute(0, 1, 3, 2, 4).reshape(r, hkv, rows_per_head, seq)
         probs = torch.softmax(torch.add(bias, scores, alpha=scale), dim=-1)
         return torch.matmul(probs, values)
-    if key_blocks is not None:
-        keys = key_blocks.transpose(-1, -2).reshape(r, hkv, seq, head_size)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scale)
 
 
