@@ -387,7 +387,7 @@ def report(args, p1, p2, p2_info, elapsed):
         t_ar = next(r for r in p2 if r["config"] == "AR")["ms_per_step"]
         ctx = p2[0].get("context")
         lines += [f"### Part 2: step cost on a Qwen3-0.6B-shaped random target ({p2_info['layers']} layers), "
-                  f"batch 1{f', a {ctx}-token prompt' if ctx else ''}, and the projected speedup", "",
+                  f"batch 1{f', a prompt of {ctx} tokens' if ctx else ''}, and the projected speedup", "",
                   "Projected speedup = τ (part 1, batch 1) × t_AR / t_step. **A projection, not a measurement.**", "",
                   "Decode steps for the part-2 tokens (DDTree with oracle drafts: few steps = deep "
                   "acceptance); = AR: greedy output equal to AR's (else the first differing index and "
