@@ -280,8 +280,8 @@ def test_small_positive_rounding_is_clamped():
         (torch.zeros(2, 3, dtype=torch.long), 2, None, r"log_probs must be a floating"),
         (torch.empty(0, 3), 1, None, r"log_probs must have L >= 1"),
         (torch.empty(2, 0), 1, None, r"log_probs must have L >= 1 depths and V >= 1"),
-        (torch.tensor([[0.0, -1.0], [-1.0, math.nan]]), 1, None, r"log_probs contains NaN"),
-        (torch.tensor([[0.0, -1.0], [math.inf, -1.0]]), 1, None, r"log_probs contains \+inf"),
+        (torch.tensor([[0.0, -1.0], [-1.0, math.nan]]), 2, None, r"log_probs contains NaN"),
+        (torch.tensor([[0.0, -1.0], [math.inf, -1.0]]), 2, None, r"log_probs contains \+inf"),
         (torch.tensor([[3.0, 1.0]]), 1, None, r"log_probs must be log-probabilities"),
         (torch.zeros(2, 3), -1, None, r"budget must be a non-negative int"),
         (torch.zeros(2, 3), 2.0, None, r"budget must be a non-negative int"),
@@ -294,6 +294,24 @@ def test_small_positive_rounding_is_clamped():
 def test_build_rejects_bad_arguments(log_probs, budget, max_children, match):
     with pytest.raises(ValueError, match=match):
         build_draft_tree(log_probs, budget, max_children)
+
+
+def test_depths_beyond_the_budget_are_not_read():
+    """A tree of B nodes is at most B deep: rows below depth B (here NaN, +inf, positive) do not
+    change the tree and raise nothing; the same rows within depth B do raise."""
+    torch.manual_seed(4)
+    lp = torch.log_softmax(torch.randn(2, 6, 9) * 3, dim=-1)
+    bad = lp.clone()
+    bad[:, 3:] = float("nan")
+    bad[1, 4, 0] = math.inf
+    for budget in (1, 2, 3):
+        want = build_draft_trees(lp, budget)
+        got = build_draft_trees(bad, budget)
+        for w, g in zip(want, got):
+            assert torch.equal(w.token_ids, g.token_ids) and torch.equal(w.parents, g.parents)
+            assert torch.equal(w.path_log_probs, g.path_log_probs)
+    with pytest.raises(ValueError, match=r"log_probs\[0\] contains NaN \(depth 4\)"):
+        build_draft_trees(bad, 4)
 
 
 def test_batched_build_errors():
