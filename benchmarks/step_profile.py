@@ -119,6 +119,7 @@ def main(argv=None) -> int:
         wall = time.perf_counter() - t0
         release_llm(llm)
         if args.dump:
+            Path(args.dump).mkdir(parents=True, exist_ok=True)
             profile.dump_stats(f"{args.dump}/{name}.pstats")
         steps = max(count[0], 1)
         parts = {k: 1e3 * v / steps for k, v in split(profile).items()}
