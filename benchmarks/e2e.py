@@ -88,32 +88,18 @@ class Stages:
 
         self.build = self.compact = self.attn = 0.0
         for name in ("_attend_tree_rows_at_once", "_overwrite_tree_rows"):
-            setattr(impl, name, self._timed(getattr(impl, name)))
-        orig_build, orig_compact = proposer.build_draft_trees, commit.compact_kv
+            setattr(impl, name, self._timed(getattr(impl, name), "attn"))
+        proposer.build_draft_trees = self._timed(proposer.build_draft_trees, "build")
+        commit.compact_kv = self._timed(commit.compact_kv, "compact")
 
-        def build(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return orig_build(*a, **k)
-            finally:
-                self.build += time.perf_counter() - t0
-
-        def compact(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return orig_compact(*a, **k)
-            finally:
-                self.compact += time.perf_counter() - t0
-
-        proposer.build_draft_trees, commit.compact_kv = build, compact
-
-    def _timed(self, method):
+    def _timed(self, fn, total: str):
+        """``fn`` adding its wall time to the attribute ``total``."""
         def timed(*a, **k):
             t0 = time.perf_counter()
             try:
-                return method(*a, **k)
+                return fn(*a, **k)
             finally:
-                self.attn += time.perf_counter() - t0
+                setattr(self, total, getattr(self, total) + time.perf_counter() - t0)
         return timed
 
     def reset(self):
