@@ -395,6 +395,26 @@ def test_build_cap_follows_the_last_allocation():
     assert ctl.build_cap() == 30
 
 
+def test_build_caps_follow_each_request_s_last_budget():
+    """Per request: 1.5 × its own last budget (8 .. B_max), twice it before a doubling probe; a
+    request without one gets the batch-wide build_cap; a finished request is forgotten."""
+    from vllm_ddtree.budget import BudgetController, StepCostModel
+
+    ctl = BudgetController(64, cost=StepCostModel(prior_intercept=0.01, prior_slope=0.01),
+                           probe_every=0)
+    assert ctl.build_caps(["a", "b"]) == [64, 64]
+    lp = [torch.log(torch.tensor([1.0, 0.9, 0.5, 0.01, 0.001])),
+          torch.log(torch.tensor([1.0] + [0.99] * 40))]
+    budgets = ctl.allocate(["a", "b"], lp)
+    assert budgets[0] <= 4 < 21 <= budgets[1]
+    want_b = min(64, -(-3 * budgets[1] // 2))
+    assert ctl.build_caps(["a", "b", "c"]) == [8, want_b, max(8, want_b)]
+    ctl.probe_every = ctl.stats.steps + 1  # the next allocation is a doubling probe
+    assert ctl.build_caps(["b"]) == [min(64, 2 * budgets[1])]
+    ctl.forget({"b"})
+    assert ctl.build_caps(["a"]) == [ctl.build_cap()]
+
+
 def test_cost_model_fits_each_batch_size_apart():
     """Steps at batch 1 then batch 8, trees of several sizes, a cost per token that batching
     amortises: each batch size gets its own intercept and slope, so batch 8's many rows do not

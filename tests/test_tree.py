@@ -314,6 +314,26 @@ def test_depths_beyond_the_budget_are_not_read():
         build_draft_trees(bad, 4)
 
 
+def test_per_request_budgets_give_each_tree_its_own_size():
+    """A list of budgets: tree r equals the tree built from its own log-probs at budget[r]
+    (the batch's top-k runs at the largest budget); a list of the wrong length raises."""
+    torch.manual_seed(5)
+    lp = torch.log_softmax(torch.randn(3, 7, 11) * 2, dim=-1)
+    budgets = [2, 9, 0]
+    for max_children in (None, 3):
+        got = build_draft_trees(lp, budgets, max_children)
+        for r, b in enumerate(budgets):
+            want = build_draft_tree(lp[r], b, max_children)
+            assert got[r].num_nodes == want.num_nodes == b
+            assert torch.equal(got[r].token_ids, want.token_ids)
+            assert torch.equal(got[r].parents, want.parents)
+            assert torch.equal(got[r].path_log_probs, want.path_log_probs)
+    with pytest.raises(ValueError, match="2 budgets for 3 requests"):
+        build_draft_trees(lp, [2, 3])
+    with pytest.raises(ValueError, match="budget must be a non-negative int"):
+        build_draft_trees(lp, [2, -1, 3])
+
+
 def test_batched_build_errors():
     with pytest.raises(ValueError, match=r"log_probs must be 3-D"):
         build_draft_trees(torch.zeros(2, 3), 2)

@@ -736,6 +736,8 @@ class BudgetController:
         self.speculation_pays = True
         self._logged_fallback = self._logged_unprofitable = False
         self._pending: dict[str, float] = {}
+        #: Each live request's budget in the last allocation (:meth:`build_caps`).
+        self._last_budget: dict[str, int] = {}
         #: Moving average of the drafter pass's seconds per step (:meth:`observe_drafter`).
         self.drafter_seconds = 0.0
         #: (step index, perf_counter) of the last :meth:`step_finished`.
@@ -795,6 +797,7 @@ class BudgetController:
                                  f"({[v.size for v in values]} nodes)")
         for r, b, v in zip(req_ids, budgets, values):
             self._pending[r] = float(v[:b].sum())
+            self._last_budget[r] = b
         self.stats.budget_sum += sum(budgets)
         self.stats.trees += len(budgets)
         self.stats.last_budgets = list(budgets)
@@ -889,6 +892,31 @@ class BudgetController:
         grow = 2 * last if self._probe_up(self.stats.steps + 1) else -(-3 * last // 2)
         return min(self.max_budget, max(8, grow))
 
+    def build_caps(self, req_ids: Sequence[str]) -> list[int]:
+        """:meth:`build_cap` per request, from each request's own last budget (a request without
+        one gets :meth:`build_cap`): at batch 8 the batch-wide cap built every tree at 1.5 × the
+        largest budget of the batch, twice the nodes the step's heaps needed (measured on the
+        shipped pair, batch 8, profiled: tree build 1.61 ms a step against 0.81 for B = 8).
+
+        Args:
+            req_ids: the requests of this step's drafter batch, in row order.
+
+        Returns:
+            one cap per request, each in ``[min(8, max_budget), max_budget]``.
+        """
+        double = self._probe_up(self.stats.steps + 1)
+        fallback = None
+        caps = []
+        for r in req_ids:
+            last = self._last_budget.get(r)
+            if last is None:
+                fallback = self.build_cap() if fallback is None else fallback
+                caps.append(fallback)
+                continue
+            grow = 2 * last if double else -(-3 * last // 2)
+            caps.append(min(self.max_budget, max(8, grow)))
+        return caps
+
     def _probe_up(self, step: int) -> bool | None:
         """Allocation ``step`` (1-based) may be a probe: True doubling, False halving (they
         alternate every ``probe_every`` steps); None: not a probe step."""
@@ -913,7 +941,7 @@ class BudgetController:
                    token_budget: int | None = None) -> list[Any]:
         """:meth:`allocate` for one step's trees, each cut to its budget.
 
-        The trees were built at :meth:`build_cap` nodes; a prefix of the best-first pop order is
+        The trees were built at :meth:`build_caps` nodes; a prefix of the best-first pop order is
         the best-first tree of that size (parents are popped before children), so only the size
         changes and the step stays exact.
 
@@ -959,6 +987,8 @@ class BudgetController:
                 self._sizes_seen.add(size)
 
     def forget(self, live_req_ids: set[str]) -> None:
-        """Drop predictions of requests that are gone."""
+        """Drop predictions and last budgets of requests that are gone."""
         for r in [r for r in self._pending if r not in live_req_ids]:
             del self._pending[r]
+        for r in [r for r in self._last_budget if r not in live_req_ids]:
+            del self._last_budget[r]

@@ -215,12 +215,13 @@ class DDTreeProposer(DFlashProposer):
 
         Returns:
             one :class:`~vllm_ddtree.tree.DraftTree` per request (B nodes each; with
-            ``ddtree_budget="auto"`` :meth:`BudgetController.build_cap
-            <vllm_ddtree.budget.BudgetController.build_cap>` nodes); ``log_probs`` is kept as
+            ``ddtree_budget="auto"`` each request's :meth:`BudgetController.build_caps
+            <vllm_ddtree.budget.BudgetController.build_caps>` nodes); ``log_probs`` is kept as
             :attr:`last_log_probs`.
         """
         self.last_log_probs = log_probs
-        budget = self.ddtree.budget if self.controller is None else self.controller.build_cap()
+        budget = (self.ddtree.budget if self.controller is None
+                  else self.controller.build_caps(req_ids))
         with self.ddtree_figures.timed("tree_build"):
             return build_draft_trees(log_probs, budget, self.ddtree.max_children)
 

@@ -212,10 +212,17 @@ def _best_first(lp: list[list[float]], ids: list[list[float]], budget: int) -> D
 def _build_batch(
     log_probs: torch.Tensor, budget: object, max_children: object, batched: bool
 ) -> list[DraftTree]:
-    """Shared body of the single and batched builders; ``log_probs`` is ``[R, L, V]``."""
+    """Shared body of the single and batched builders; ``log_probs`` is ``[R, L, V]``;
+    ``budget`` one int, or (batched) one per request."""
     name = "log_probs"
-    b, c = _check_budget(budget, max_children)
     num_req, depth_l, vocab = log_probs.shape
+    per_request = None
+    if batched and isinstance(budget, (list, tuple)):
+        if len(budget) != num_req:
+            raise ValueError(f"{len(budget)} budgets for {num_req} requests")
+        per_request = [_check_budget(x, max_children)[0] for x in budget]
+        budget = max(per_request, default=0)
+    b, c = _check_budget(budget, max_children)
     if b == 0 or num_req == 0:
         return [_root_only() for _ in range(num_req)]
     if depth_l == 0 or vocab == 0:
@@ -255,7 +262,7 @@ def _build_batch(
                         "pass log_softmax(logits)"
                     )
                 lp[d] = [min(v, 0.0) for v in lp[d]]
-        trees.append(_best_first(lp, host_ids[r], b))
+        trees.append(_best_first(lp, host_ids[r], b if per_request is None else per_request[r]))
     return trees
 
 
@@ -305,13 +312,16 @@ def build_draft_tree(
 
 
 def build_draft_trees(
-    log_probs: torch.Tensor, budget: int, max_children: int | None = None
+    log_probs: torch.Tensor, budget: int | Sequence[int], max_children: int | None = None
 ) -> list[DraftTree]:
     """Batched :func:`build_draft_tree`: one tree per request from ``log_probs [R, L, V]``.
 
     One ``topk`` over the whole batch and one device->host copy; the heaps then run per request
     on the host.  Same arguments, semantics and ``ValueError`` cases as :func:`build_draft_tree`
-    (messages name ``log_probs[r]`` for per-request value errors).  ``R == 0`` gives ``[]``.
+    (messages name ``log_probs[r]`` for per-request value errors), except that ``budget`` may
+    also be a list or tuple of ``R`` budgets, one per request (the top-k then runs at the
+    largest; each heap stops at its own; tree ``r`` equals the one built at ``budget[r]``
+    alone); a list of another length raises ``ValueError``.  ``R == 0`` gives ``[]``.
     """
     lp = _check_log_probs(log_probs, 3, "[R, L, V]")
     return _build_batch(lp, budget, max_children, batched=True)

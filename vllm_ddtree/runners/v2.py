@@ -313,7 +313,8 @@ class DDTreeSpeculator(DFlashSpeculator):
     def build_trees(self, req_ids: list[str], log_probs: torch.Tensor) -> list[DraftTree]:
         """Best-first draft trees (paper Alg. 1) from ``[R, L, V]`` float32 drafter log-probs."""
         self.last_log_probs = log_probs
-        budget = self.ddtree.budget if self.controller is None else self.controller.build_cap()
+        budget = (self.ddtree.budget if self.controller is None
+                  else self.controller.build_caps(req_ids))
         with self.ddtree_figures.timed("tree_build"):
             return build_draft_trees(log_probs, budget, self.ddtree.max_children)
 
