@@ -7,7 +7,8 @@ contiguously (the "per-node kernel" of ``tests/test_tree_attention_cpu.py``). Th
 are compared with it element by element, from both of ``DDTreeCPUAttentionImpl``'s paths: one
 float32 call per layer (``ONE_CALL_ISAS``) and chain by chain through vLLM's kernel (vLLM's own
 chain-verification rounding), next to the float32 torch reference rounded once. Prints the share
-of differing elements, the rows that have one, and the largest difference in bf16 ulps.
+of differing elements, the rows that have one, and the largest difference relative to its row's
+largest element, in units of the dtype's epsilon (1: one rounding step at the row's scale).
 
     python benchmarks/tree_row_rounding.py             # 6 scenarios, ~1 min on 2 cores
 """
@@ -80,12 +81,14 @@ def main(argv=None):
                           for q in requests])
         ours, vllms = t.make_impls(heads, head_size, kv_heads)
         outs = {}
+        min_rows = cpu_backend.LOW_PRECISION_ONE_CALL_MIN_ROWS
         cpu_backend.LOW_PRECISION_ONE_CALL_MIN_ROWS = 0  # the path is chosen here, not by size
         for name, isas in paths.items():
             cpu_backend.ONE_CALL_ISAS = isas
             with tree_attention_active(TreeAttentionBatch(requests=requests, tree_rows=rows)):
                 outs[name] = t.run_impl(ours, sc, sc.kv_cache.clone())
         cpu_backend.ONE_CALL_ISAS = paths["one call per layer"]
+        cpu_backend.LOW_PRECISION_ONE_CALL_MIN_ROWS = min_rows
         decode = t._per_node_kernel(sc, vllms, requests, head_size, block_size)
         for req in requests:
             b, lo = req.batch_index, req.query_start

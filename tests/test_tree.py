@@ -316,7 +316,8 @@ def test_depths_beyond_the_budget_are_not_read():
 
 def test_per_request_budgets_give_each_tree_its_own_size():
     """A list of budgets: tree r equals the tree built from its own log-probs at budget[r]
-    (the batch's top-k runs at the largest budget); a list of the wrong length raises."""
+    (the batch's top-k runs at the largest budget; random values, so no ties at the K-th
+    place); a list of the wrong length raises."""
     torch.manual_seed(5)
     lp = torch.log_softmax(torch.randn(3, 7, 11) * 2, dim=-1)
     budgets = [2, 9, 0]

@@ -307,6 +307,9 @@ def test_attend_paged_heads_equals_dense_attention_over_what_the_writer_wrote(
     assert (moved - want).abs().max() > 1e-2
     with pytest.raises(NotImplementedError, match="not been verified"):
         attend_paged_heads(query, kv, key_rows, value_rows, bias, scale, "neon")
+    empty = attend_paged_heads(query[:0], kv, key_rows[:0], value_rows[:0], bias[:0, ..., :0],
+                               scale, isa)  # no request: no blocks
+    assert empty.shape == (0, num_kv_heads, rows, head_size)
     with pytest.raises(ValueError, match="do not fit"):
         attend_paged_heads(query, kv, key_rows, value_rows, bias[..., :-1], scale, isa)
 

@@ -887,7 +887,9 @@ class BudgetController:
         (at least 8, at most ``max_budget``). A budget can grow by half from one step to the
         next (8 → 64 in 6 steps) without building ``B_max`` nodes for every request each step:
         the heap's pops cost per node built, not per node verified. Exact at any cap: the
-        best-first pop order's first ``b`` nodes do not depend on how many more are built."""
+        first ``b`` nodes of the best-first pop order form a best-first tree of ``b`` nodes
+        (with log-probs tied exactly at the ``K``-th place, ``torch.topk`` picks which tied
+        token it holds, as for any build)."""
         last = max(self.stats.last_budgets, default=self.max_budget)
         grow = 2 * last if self._probe_up(self.stats.steps + 1) else -(-3 * last // 2)
         return min(self.max_budget, max(8, grow))

@@ -319,9 +319,12 @@ def build_draft_trees(
     One ``topk`` over the whole batch and one device->host copy; the heaps then run per request
     on the host.  Same arguments, semantics and ``ValueError`` cases as :func:`build_draft_tree`
     (messages name ``log_probs[r]`` for per-request value errors), except that ``budget`` may
-    also be a list or tuple of ``R`` budgets, one per request (the top-k then runs at the
-    largest; each heap stops at its own; tree ``r`` equals the one built at ``budget[r]``
-    alone); a list of another length raises ``ValueError``.  ``R == 0`` gives ``[]``.
+    also be a list or tuple of ``R`` budgets, one per request: the top-k then runs at the
+    largest and each heap stops at its own, so tree ``r`` is the best-first tree of
+    ``budget[r]`` nodes (equal to the one built alone at ``budget[r]`` unless log-probs tie
+    exactly at its ``K``-th place, where ``torch.topk`` picks the tied token), and values are
+    checked over the first ``min(L, max(budget))`` depths of every request; a list of another
+    length raises ``ValueError``.  ``R == 0`` gives ``[]``.
     """
     lp = _check_log_probs(log_probs, 3, "[R, L, V]")
     return _build_batch(lp, budget, max_children, batched=True)

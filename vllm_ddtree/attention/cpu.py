@@ -365,7 +365,9 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
 
         Raises:
             NotImplementedError: a tree row on a layer with sliding window, ALiBi, soft cap,
-                sinks, fp8 KV cache or non-causal attention, or on an unverified KV layout.
+                sinks, fp8 KV cache or non-causal attention, or on a layer that shares another
+                layer's cache in a KV layout the plugin has not verified (the chain path then
+                has to read the tree's K/V back from the cache).
             ValueError: a tree request inconsistent with the batch metadata (rows outside its
                 request, ``context_len`` not the root's position, or an ``ancestor_mask`` that
                 is not a tree's).

@@ -306,7 +306,7 @@ def attend_paged_heads(
     query = query.to(torch.float32)
     bias = bias.to(torch.float32)
     per_request = 2 * hkv * m * block_size * head_size * 4  # float32 keys + values
-    chunk = max(1, GATHER_CHUNK_BYTES // per_request)
+    chunk = max(1, GATHER_CHUNK_BYTES // max(per_request, 1))
     if r <= chunk:
         return _attend_blocks(query, rows, key_rows, value_rows, bias, scale, isa, m, block_size)
     n = hkv * m  # cache rows per request and half
