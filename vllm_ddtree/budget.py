@@ -891,7 +891,12 @@ class BudgetController:
         (with log-probs tied exactly at the ``K``-th place, ``torch.topk`` picks which tied
         token it holds, as for any build)."""
         last = max(self.stats.last_budgets, default=self.max_budget)
-        grow = 2 * last if self._probe_up(self.stats.steps + 1) else -(-3 * last // 2)
+        return self._cap(last, bool(self._probe_up(self.stats.steps + 1)))
+
+    def _cap(self, last: int, double: bool) -> int:
+        """Build cap after a budget of ``last``: 2 × it before a doubling probe, else 1.5 ×,
+        within ``[8, max_budget]``."""
+        grow = 2 * last if double else -(-3 * last // 2)
         return min(self.max_budget, max(8, grow))
 
     def build_caps(self, req_ids: Sequence[str]) -> list[int]:
@@ -915,8 +920,7 @@ class BudgetController:
                 fallback = self.build_cap() if fallback is None else fallback
                 caps.append(fallback)
                 continue
-            grow = 2 * last if double else -(-3 * last // 2)
-            caps.append(min(self.max_budget, max(8, grow)))
+            caps.append(self._cap(last, bool(double)))
         return caps
 
     def _probe_up(self, step: int) -> bool | None:
