@@ -415,6 +415,42 @@ def test_build_caps_follow_each_request_s_last_budget():
     assert ctl.build_caps(["a"]) == [ctl.build_cap()]
 
 
+def test_cost_model_does_not_read_a_few_noisy_steps_of_a_bucket_as_a_flat_cost():
+    """Measured on the shipped pair: after a warm-up the batch-8 bucket held two steps, 32 rows
+    in 15.3 ms and 48 in 14.0 (noise), which a weakly regularised fit read as a flat cost;
+    every tree then grew to B_max (520-row steps of 84 ms). A bucket's slope now follows the
+    pooled slope until its own steps measure it through their noise."""
+    g = torch.Generator().manual_seed(0)
+    m = StepCostModel()
+    for i in range(64):  # batch 1 and 5: 80 us a row, 0.3 / 0.8 ms of noise
+        t = (16, 24, 16, 8)[i % 4]
+        m.observe(t, 0.0072 + 8e-5 * t + 3e-4 * float(torch.randn(1, generator=g)), 1)
+    for i in range(14):
+        t = (16, 24, 32, 40)[i % 4]
+        m.observe(t, 0.0095 + 8e-5 * t + 8e-4 * float(torch.randn(1, generator=g)), 5)
+    pooled = m._pooled_fit()[1]
+    assert pooled == pytest.approx(8e-5, rel=0.25)
+    m.observe(32, 0.0153, 8)
+    m.observe(48, 0.0140, 8)
+    a, b, c = m._pooled_fit()
+    assert m.coefficients(8) == (a + 8 * c, b)  # 2 steps: the pooled fit
+    ctl = BudgetController(64, cost=m, probe_every=0)
+    plp = torch.cat((torch.zeros(1), torch.log(geometric(0.9)).float()))
+    assert max(ctl.allocate([str(i) for i in range(8)], [plp] * 8)) < 32
+    # Two more: the bucket's own fit, its slope still mostly the pooled one (its steps' 16-row
+    # spread does not measure a slope through 1 ms of noise).
+    m.observe(40, 0.0150, 8)
+    m.observe(40, 0.0154, 8)
+    assert 0.5 * m._pooled_fit()[1] < m.coefficients(8)[1] < m._pooled_fit()[1]
+    # Steps that measure a slope of their own (wide sizes, little noise) set it.
+    for i in range(64):
+        t = (40, 72, 136, 264)[i % 4]
+        m.observe(t, 0.012 + 3.5e-5 * t + 2e-4 * float(torch.randn(1, generator=g)), 8)
+    assert m.coefficients(8)[1] == pytest.approx(3.5e-5, rel=0.05)
+    with pytest.raises(ValueError, match="min_bucket_steps"):
+        StepCostModel(window=3, min_bucket_steps=4)
+
+
 def test_cost_model_fits_each_batch_size_apart():
     """Steps at batch 1 then batch 8, trees of several sizes, a cost per token that batching
     amortises: each batch size gets its own intercept and slope, so batch 8's many rows do not

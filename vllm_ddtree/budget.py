@@ -264,9 +264,14 @@ class StepCostModel:
       pulled toward ``prior_slope`` and 0 with the weight of ``prior_weight`` pseudo-steps (so it
       is defined before any data, and the per-request term stays 0 while one batch size was
       seen); it is what a bucket without steps of its own uses;
-    * a **bucket** fit over the steps of the bucket, its slope pulled toward the pooled slope
-      the same way: the bucket's own slope once its steps have differed in tokens per request
-      (:meth:`spread`), the pooled slope until then.
+    * a **bucket** fit over the steps of the bucket (from ``min_bucket_steps`` steps on; the
+      pooled fit before), its slope pulled toward the pooled slope
+      as toward a prior of standard deviation ``bucket_slope_sd`` × the pooled slope, with the
+      pooled fit's residual variance as the noise (empirical Bayes): the bucket's own slope once
+      its steps have differed enough in tokens to measure it through the noise, the pooled slope
+      until then. A few steps of a bucket do not set its slope: on the shipped pair a batch-8
+      bucket with two steps (32 rows in 15.3 ms, 48 in 14.0) read as a flat cost under a weak
+      prior, and every tree grew to ``B_max`` (520-row steps of 84 ms against 15 ms).
 
     Fits are clamped to slopes >= 0 and ``intercept >= min_intercept`` (a step always costs
     something). On a GPU the slope is close to 0 up to hundreds of tokens; on a CPU it dominates.
@@ -280,14 +285,23 @@ class StepCostModel:
         prior_slope: seconds per verified token before data (>= 0).
         prior_weight: pseudo-observations of the prior (> 0).
         min_intercept: floor of the fitted intercept, seconds (> 0).
+        bucket_slope_sd: how far a bucket's slope is expected to be from the pooled slope, as a
+            fraction of it (> 0).
+        min_bucket_steps: steps a bucket needs before its own fit is used (>= 2).
 
     Raises:
         ValueError: an argument out of range.
     """
 
     def __init__(self, window: int = 64, prior_intercept: float = 0.02, prior_slope: float = 0.0,
-                 prior_weight: float = 0.01, min_intercept: float = 1e-4):
+                 prior_weight: float = 0.01, min_intercept: float = 1e-4,
+                 bucket_slope_sd: float = 0.25, min_bucket_steps: int = 4):
         self.window = _check_int("window", window, 2)
+        self.min_bucket_steps = _check_int("min_bucket_steps", min_bucket_steps, 2)
+        if self.min_bucket_steps > self.window:
+            raise ValueError(f"min_bucket_steps ({min_bucket_steps}) must be <= window "
+                             f"({window}): a bucket keeps only its last window steps")
+        self.bucket_slope_sd = _check_pos_float("bucket_slope_sd", bucket_slope_sd)
         self.prior_intercept = _check_pos_float("prior_intercept", prior_intercept)
         self.prior_slope = _check_pos_float("prior_slope", prior_slope, allow_zero=True)
         self.prior_weight = _check_pos_float("prior_weight", prior_weight)
@@ -358,9 +372,9 @@ class StepCostModel:
     def coefficients(self, requests: int = 1) -> tuple[float, float]:
         """``(intercept seconds, slope seconds per token)`` of a step serving ``requests``
         requests (int >= 1): its bucket's fit, or the pooled one while the bucket has fewer
-        than 2 steps."""
+        than ``min_bucket_steps`` steps."""
         k = self.bucket(_check_int("requests", requests, 1))
-        if len(self._obs.get(k, ())) < 2:
+        if len(self._obs.get(k, ())) < self.min_bucket_steps:
             a, b, c = self._pooled_fit()
             return a + c * requests, b
         if k not in self._fits:
@@ -375,6 +389,15 @@ class StepCostModel:
         if self._pooled is None:
             self._pooled = self._solve_pooled()
         return self._pooled
+
+    def _pooled_noise(self) -> float:
+        """Residual variance of the pooled fit over every bucket's window, seconds²."""
+        a, b, c = self._pooled_fit()
+        n, st, sr, ss, stt, srr, strq, sts, srs, sss = (
+            sum(col) for col in zip(*self._sums.values()))
+        rss = (sss + n * a * a + b * b * stt + c * c * srr - 2 * (a * ss + b * sts + c * srs)
+               + 2 * (a * b * st + a * c * sr + b * c * strq))
+        return max(rss, 0.0) / max(n - 3, 1.0)
 
     def _solve_pooled(self) -> tuple[float, float, float]:
         # Ridge least squares on (tokens, requests), centred first (the mean step is always
@@ -401,11 +424,21 @@ class StepCostModel:
 
     def _solve_bucket(self, k: int) -> tuple[float, float]:
         # The same fit on tokens alone over one bucket's steps, the slope pulled toward the
-        # pooled slope.
-        n, st, _, ss, stt, _, _, sts, _, _ = self._sums[k]
+        # pooled slope: ridge weight noise variance / prior variance (the posterior mean under
+        # a normal prior on the slope), at least the pooled fit's own weak pull (prior_weight
+        # pseudo-steps at the mean's distance: one size only keeps the pooled slope). The
+        # noise is the bucket's own residual variance from 4 steps on, the pooled fit's before
+        # (2 steps fit any line exactly; the pooled fit also carries the buckets' misfit).
+        n, st, _, ss, stt, _, _, sts, _, sss = self._sums[k]
         xm, ym = st / n, ss / n
-        lam = self.prior_weight * xm * xm
+        if n >= 4:
+            sxx, sxy, syy = stt - n * xm * xm, sts - n * xm * ym, sss - n * ym * ym
+            noise = max(syy - sxy * sxy / sxx if sxx > 0 else syy, 0.0) / (n - 2)
+        else:
+            noise = self._pooled_noise()
         prior = self._pooled_fit()[1]
+        lam = max(noise / max((self.bucket_slope_sd * prior) ** 2, 1e-30),
+                  self.prior_weight * xm * xm)
         b = max(0.0, (sts - n * xm * ym + lam * prior) / (stt - n * xm * xm + lam))
         a = ym - b * xm
         if a < self.min_intercept:
