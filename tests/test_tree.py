@@ -329,6 +329,15 @@ def test_per_request_budgets_give_each_tree_its_own_size():
             assert torch.equal(got[r].token_ids, want.token_ids)
             assert torch.equal(got[r].parents, want.parents)
             assert torch.equal(got[r].path_log_probs, want.path_log_probs)
+    # Each request's top-k reads its own min(L, budget) depths: rows deeper than a request's
+    # budget (here NaN) raise nothing, the same rows within it do.
+    bad = lp.clone()
+    bad[0, 2:] = float("nan")
+    got = build_draft_trees(bad, budgets)
+    assert torch.equal(got[0].token_ids, build_draft_tree(lp[0], 2).token_ids)
+    assert torch.equal(got[1].token_ids, build_draft_tree(lp[1], 9).token_ids)
+    with pytest.raises(ValueError, match=r"log_probs\[0\] contains NaN \(depth 3\)"):
+        build_draft_trees(bad, [3, 9, 0])
     with pytest.raises(ValueError, match="2 budgets for 3 requests"):
         build_draft_trees(lp, [2, 3])
     with pytest.raises(ValueError, match="budget must be a non-negative int"):

@@ -230,25 +230,45 @@ def _build_batch(
             f"{name} must have L >= 1 depths and V >= 1 tokens when budget > 0, "
             f"got shape {tuple(log_probs.shape)}"
         )
-    k = min(b, vocab) if c is None else min(b, vocab, c)
-    # A tree of b nodes is at most b deep: deeper rows are never read (and topk over the
-    # [R, L, V] drafter output is most of a small tree's build: 0.7 ms at R = 8, L = 15).
-    depth_l = min(depth_l, b)
-    with torch.no_grad():
-        vals, ids = torch.topk(log_probs[:, :depth_l], k, dim=-1, largest=True, sorted=True)
-        # Rank equal values by ascending token id: sort by id, then stable sort by value.
-        ids, perm = torch.sort(ids, dim=-1)
-        vals = torch.gather(vals, -1, perm)
-        vals, perm = torch.sort(vals, dim=-1, descending=True, stable=True)
-        ids = torch.gather(ids, -1, perm)
-        # One device->host copy: token ids (< 2**53) and fp32/bf16 values are exact in float64.
-        host = torch.stack((vals.to(torch.float64), ids.to(torch.float64))).tolist()
-    host_vals, host_ids = host
+    # A tree of b nodes is at most b deep and needs at most the top b tokens of a depth:
+    # deeper rows and lower ranks are never read. topk over the [R, L, V] drafter output is
+    # most of a small tree's build (~4.5 us a row of 4096 on this CPU at k <= 8, growing with
+    # k), so with one budget per request each request's own rows go through a top-k of its
+    # own k (one call per distinct k).
+    budgets_r = [b] * num_req if per_request is None else per_request
+    depths = [min(depth_l, x) for x in budgets_r]
+    ks = [min(x, vocab) if c is None else min(x, vocab, c) for x in budgets_r]
+    host_vals: list[list[list[float]]] = [[] for _ in range(num_req)]
+    host_ids: list[list[list[float]]] = [[] for _ in range(num_req)]
+    for k in sorted(set(ks)):
+        group = [r for r in range(num_req) if ks[r] == k and depths[r]]
+        if not group:
+            continue
+        if len(group) == num_req and min(depths) == max(depths):
+            rows = log_probs[:, :depths[0]].reshape(-1, vocab)
+        else:
+            pick = [r * log_probs.shape[1] + d for r in group for d in range(depths[r])]
+            rows = log_probs.reshape(-1, vocab).index_select(
+                0, torch.tensor(pick, device=log_probs.device))
+        with torch.no_grad():
+            vals, ids = torch.topk(rows, k, dim=-1, largest=True, sorted=True)
+            # Rank equal values by ascending token id: sort by id, then stable sort by value.
+            ids, perm = torch.sort(ids, dim=-1)
+            vals = torch.gather(vals, -1, perm)
+            vals, perm = torch.sort(vals, dim=-1, descending=True, stable=True)
+            ids = torch.gather(ids, -1, perm)
+            # One device->host copy: token ids (< 2**53) and fp32/bf16 values are exact in
+            # float64.
+            gv, gi = torch.stack((vals.to(torch.float64), ids.to(torch.float64))).tolist()
+        at = 0
+        for r in group:
+            host_vals[r], host_ids[r] = gv[at:at + depths[r]], gi[at:at + depths[r]]
+            at += depths[r]
     trees = []
     for r in range(num_req):
         lp = host_vals[r]
         where = f"{name}[{r}]" if batched else name
-        for d in range(depth_l):
+        for d in range(depths[r]):
             # topk ranks NaN and +inf first, so the rank-0 entry exposes them.
             top = lp[d][0]
             if math.isnan(top):
@@ -262,7 +282,7 @@ def _build_batch(
                         "pass log_softmax(logits)"
                     )
                 lp[d] = [min(v, 0.0) for v in lp[d]]
-        trees.append(_best_first(lp, host_ids[r], b if per_request is None else per_request[r]))
+        trees.append(_best_first(lp, host_ids[r], budgets_r[r]) if depths[r] else _root_only())
     return trees
 
 
@@ -319,12 +339,12 @@ def build_draft_trees(
     One ``topk`` over the whole batch and one device->host copy; the heaps then run per request
     on the host.  Same arguments, semantics and ``ValueError`` cases as :func:`build_draft_tree`
     (messages name ``log_probs[r]`` for per-request value errors), except that ``budget`` may
-    also be a list or tuple of ``R`` budgets, one per request: the top-k then runs at the
-    largest and each heap stops at its own, so tree ``r`` is the best-first tree of
-    ``budget[r]`` nodes (equal to the one built alone at ``budget[r]`` unless log-probs tie
-    exactly at its ``K``-th place, where ``torch.topk`` picks the tied token), and values are
-    checked over the first ``min(L, max(budget))`` depths of every request; a list of another
-    length raises ``ValueError``.  ``R == 0`` gives ``[]``.
+    also be a list or tuple of ``R`` budgets, one per request: requests of equal budget share
+    one ``topk`` (at ``K = budget[r]``, over their first ``min(L, budget[r])`` depths) and each
+    heap stops at its own budget, so tree ``r`` is the best-first tree of ``budget[r]`` nodes,
+    as built alone at ``budget[r]`` (log-probs tied exactly at its ``K``-th place: the tied
+    token ``torch.topk`` picks), and the value checks cover those depths only; a list of
+    another length raises ``ValueError``.  ``R == 0`` gives ``[]``.
     """
     lp = _check_log_probs(log_probs, 3, "[R, L, V]")
     return _build_batch(lp, budget, max_children, batched=True)
