@@ -149,3 +149,53 @@ def test_proposer_auto_path_cuts_trees_to_prefixes_and_learns():
     p.observe_verified(step)
     assert p.controller.calibrator.n.sum().item() == before + p.trees["a"].num_nodes
     assert p.controller.stats.observed_accepted == 1
+
+
+def test_each_runner_hands_auto_the_tokens_each_request_has_left():
+    """V1: ``max_tokens`` less the output so far, from the runner's request states (None when
+    a request has no sampling params); V2: ``RequestState.max_seq_len`` less the tokens computed
+    and the one sampled last. The proposer passes them to the allocation (two requests alike
+    but for their work left: the one with more left gets the larger tree)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from vllm_ddtree.proposer import remaining_tokens
+    from vllm_ddtree.runners.v2 import DDTreeSpeculator
+    from vllm_ddtree.tree import build_draft_trees
+
+    def state(max_tokens, out):
+        return SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=max_tokens),
+                               output_token_ids=list(range(out)))
+
+    runner = SimpleNamespace(requests={"a": state(64, 10), "b": state(64, 61)})
+    assert remaining_tokens(runner, ["a", "b"]) == [54, 3]
+    runner.requests["c"] = SimpleNamespace(sampling_params=None, output_token_ids=[])
+    assert remaining_tokens(runner, ["a", "c"]) is None
+
+    spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
+    batch = SimpleNamespace(num_reqs=2, idx_mapping_np=np.array([3, 0]), req_ids=["a", "b"])
+    req_states = SimpleNamespace(max_seq_len=np.array([100, 0, 0, 90]),
+                                 num_computed_tokens_np=np.array([98, 0, 0, 20]))
+    spec.note_remaining(batch, req_states)
+    assert spec._remaining == {"a": 69, "b": 1}
+
+    class MildCost(StepCostModel):  # 10 ms + 0.3 ms per verified row
+        def coefficients(self, requests=1):
+            return 0.01, 0.0003
+
+    p = _bare_proposer(max_budget=24)
+    p.controller.cost = MildCost()
+    p.controller.probe_every = 0
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 6, 12, generator=g)
+    logits[..., 0] += 3.0  # a drafter that is right about two times in three
+    row = torch.log_softmax(logits, -1)
+    full = build_draft_trees(row.expand(2, 6, 12).contiguous(), 24)
+    p._ddtree_runner.requests = {"a": state(64, 10), "b": state(64, 10)}
+    even = [len(t) for t in p._propose_auto(["a", "b"], full)]
+    assert even[0] == even[1] > 1
+    p._ddtree_runner.requests["b"] = state(64, 62)
+    more, less = (len(t) for t in p._propose_auto(["a", "b"], full))
+    assert more > even[0] and less < even[1]

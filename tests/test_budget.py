@@ -75,6 +75,42 @@ def test_mixed_batch_shares_the_budget_by_marginal_value():
     assert given >= refused
 
 
+def test_weights_give_nodes_to_the_request_with_more_work_left():
+    """weights scale what a request's tokens are worth: the optimum over every pair of budgets
+    (brute force) of the weighted rate; equal weights are the plain objective; the reported
+    expectations stay unweighted. The controller weights by remaining tokens over the batch
+    mean, so equal remaining work changes nothing."""
+    vals = [geometric(0.6, 24)] * 2
+    cost = lambda t: 0.05 + 0.002 * t  # noqa: E731
+    plain = allocate_budgets(vals, cost, max_budget=24)
+    assert plain.budgets[0] == plain.budgets[1]
+    assert allocate_budgets(vals, cost, 24, weights=[1.0, 1.0]).budgets == plain.budgets
+    w = [1.6, 0.4]
+    a = allocate_budgets(vals, cost, max_budget=24, weights=w)
+    assert a.budgets[0] > plain.budgets[0] > a.budgets[1] >= 1
+
+    def weighted(bs):
+        return sum(wi * (1 + float(v[:b].sum())) for wi, v, b in zip(w, vals, bs)) / cost(
+            sum(1 + b for b in bs))
+
+    best = max(itertools.product(range(1, 25), repeat=2), key=weighted)
+    assert weighted(a.budgets) == pytest.approx(weighted(best), rel=1e-12)
+    assert a.expected_accepted == [pytest.approx(float(v[:b].sum())) for v, b in
+                                   zip(vals, a.budgets)]
+    for bad in ([1.0], [1.0, 0.0], [1.0, float("nan")]):
+        with pytest.raises(ValueError, match="weights"):
+            allocate_budgets(vals, cost, 24, weights=bad)
+    plp = torch.cat((torch.zeros(1), torch.log(geometric(0.6, 24)).float()))
+    ctl = BudgetController(24, cost=StepCostModel(prior_intercept=0.05, prior_slope=0.002),
+                           probe_every=0)
+    same = ctl.allocate(["a", "b"], [plp, plp])
+    assert ctl.allocate(["a", "b"], [plp, plp], remaining_tokens=[40, 40]) == same
+    more, less = ctl.allocate(["a", "b"], [plp, plp], remaining_tokens=[60, 4])
+    assert more > same[0] > less
+    # Finished or unknown-length corner: at least one token left counts.
+    assert ctl.allocate(["a", "b"], [plp, plp], remaining_tokens=[0, 0]) == same
+
+
 def test_token_budget_and_caps():
     vals = [geometric(0.99)] * 3
     a = allocate_budgets(vals, flat, max_budget=64, token_budget=50, extra_tokens=5)

@@ -193,8 +193,9 @@ class DDTreeProposer(DFlashProposer):
                                       getattr(state, "step_rows", 0),
                                       getattr(state, "step_requests", 1), time.perf_counter())
         out = []
-        for req_id, tree in zip(req_ids, self.controller.size_trees(req_ids, trees,
-                                                                     self._max_tokens)):
+        sized = self.controller.size_trees(req_ids, trees, self._max_tokens,
+                                           remaining_tokens(self._ddtree_runner, req_ids))
+        for req_id, tree in zip(req_ids, sized):
             self.trees[req_id] = tree
             out.append(tree.token_ids.tolist())
         return out
@@ -248,3 +249,19 @@ class DDTreeProposer(DFlashProposer):
             self.controller.forget(live_req_ids)
         if self.shadow is not None:
             self.shadow.forget(live_req_ids)
+
+
+def remaining_tokens(runner: Any, req_ids: list[str]) -> list[int] | None:
+    """Per request, the tokens it may still generate (``max_tokens`` minus its output so far),
+    from the V1 runner's ``CachedRequestState`` (vllm/v1/worker/gpu_input_batch.py:
+    ``sampling_params``, ``output_token_ids``); ``None`` when a request lacks them (pooling,
+    a state vLLM has not filled)."""
+    requests = getattr(runner, "requests", None) or {}
+    out = []
+    for r in req_ids:
+        state = requests.get(r)
+        params = getattr(state, "sampling_params", None)
+        if params is None or getattr(params, "max_tokens", None) is None:
+            return None
+        out.append(params.max_tokens - len(state.output_token_ids))
+    return out

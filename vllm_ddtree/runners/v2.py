@@ -133,6 +133,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.step_index = 0
         self.step_rows = 0
         self.step_requests = 1
+        #: req_id -> tokens left to generate, noted as each step is prepared
+        #: (:meth:`note_remaining`).
+        self._remaining: dict[str, int] = {}
         self._max_tokens = max_tokens
         self._tree_tokens = torch.zeros(self.max_num_reqs, self.num_verify_slots,
                                         dtype=torch.int64, device=device)
@@ -237,7 +240,10 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.controller.observe_drafter(time.perf_counter() - t0)
             self.controller.step_finished(self.step_index, self.step_rows, self.step_requests,
                                           time.perf_counter())
-            trees = self.controller.size_trees(req_ids, trees, self._max_tokens)
+            left = [self._remaining.get(r) for r in req_ids]
+            trees = self.controller.size_trees(
+                req_ids, trees, self._max_tokens,
+                None if any(x is None for x in left) else left)
         host = torch.zeros(num_reqs, self.num_verify_slots, dtype=torch.int64)
         for i, (req_id, tree) in enumerate(zip(req_ids, trees)):
             n = L if self.shadow is not None else self.ddtree.budget
@@ -285,6 +291,16 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.step_index += 1
         self.step_rows = 0 if input_batch.has_prefill else int(input_batch.num_tokens)
         self.step_requests = int(input_batch.num_reqs)
+
+    def note_remaining(self, input_batch: Any, req_states: Any) -> None:
+        """``ddtree_budget="auto"``: each request's tokens left to generate, for the step's
+        allocation (``remaining_tokens`` of :meth:`BudgetController.allocate
+        <vllm_ddtree.budget.BudgetController.allocate>`): V2's ``RequestState.max_seq_len``
+        (prompt + ``max_tokens``) less the tokens computed before this step and the one
+        sampled last (vllm/v1/worker/gpu/states.py)."""
+        idx = input_batch.idx_mapping_np[: input_batch.num_reqs]
+        left = req_states.max_seq_len[idx] - req_states.num_computed_tokens_np[idx] - 1
+        self._remaining = dict(zip(input_batch.req_ids[: input_batch.num_reqs], left.tolist()))
 
     def record_output(self, req_ids: list[str], sampled: torch.Tensor,
                       num_sampled: list[int]) -> None:
@@ -502,6 +518,9 @@ class DDTreeModelStateMixin:
         """Depth positions for the tree rows (in place: a captured graph reads this buffer) and
         the tree batch published to the attention backends, for the target's forward."""
         out = super().prepare_inputs(input_batch, req_states)  # type: ignore[misc]
+        spec = self.ddtree_speculator
+        if spec is not None and spec.controller is not None:
+            spec.note_remaining(input_batch, req_states)
         if self.ddtree_hybrid_ctx is not None:
             from vllm_ddtree.hybrid.context import publish_hybrid_context
 
