@@ -175,11 +175,15 @@ def test_each_runner_hands_auto_the_tokens_each_request_has_left():
     assert remaining_tokens(runner, ["a", "c"]) is None
 
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
-    batch = SimpleNamespace(num_reqs=2, idx_mapping_np=np.array([3, 0]), req_ids=["a", "b"])
-    req_states = SimpleNamespace(max_seq_len=np.array([100, 0, 0, 90]),
-                                 num_computed_tokens_np=np.array([98, 0, 0, 20]))
+    batch = SimpleNamespace(num_reqs=3, idx_mapping_np=np.array([3, 0, 1]),
+                            req_ids=["a", "b", "new"])
+    # "new" is in its prefill step (2000-token prompt, nothing computed yet, max_tokens 100):
+    # what it has left is its max_tokens less the token this step samples, not the prompt too.
+    req_states = SimpleNamespace(max_seq_len=np.array([100, 2100, 0, 90]),
+                                 num_computed_tokens_np=np.array([98, 0, 0, 20]),
+                                 prefill_len=SimpleNamespace(np=np.array([50, 2000, 0, 15])))
     spec.note_remaining(batch, req_states)
-    assert spec._remaining == {"a": 69, "b": 1}
+    assert spec._remaining == {"a": 69, "b": 1, "new": 100}
 
     class MildCost(StepCostModel):  # 10 ms + 0.3 ms per verified row
         def coefficients(self, requests=1):

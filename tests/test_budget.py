@@ -109,6 +109,10 @@ def test_weights_give_nodes_to_the_request_with_more_work_left():
     assert more > same[0] > less
     # Finished or unknown-length corner: at least one token left counts.
     assert ctl.allocate(["a", "b"], [plp, plp], remaining_tokens=[0, 0]) == same
+    steps = ctl.stats.steps
+    with pytest.raises(ValueError, match="weights"):
+        ctl.allocate(["a", "b"], [plp, plp], remaining_tokens=[3])
+    assert ctl.stats.steps == steps  # a refused call changes nothing
 
 
 def test_token_budget_and_caps():
@@ -485,6 +489,21 @@ def test_cost_model_does_not_read_a_few_noisy_steps_of_a_bucket_as_a_flat_cost()
     assert m.coefficients(8)[1] == pytest.approx(3.5e-5, rel=0.05)
     with pytest.raises(ValueError, match="min_bucket_steps"):
         StepCostModel(window=3, min_bucket_steps=4)
+
+
+def test_a_bucket_learns_its_slope_when_the_pooled_slope_is_zero():
+    """Found by a reviewer: batch-1 steps flat within noise (a GPU) clamp the pooled slope to
+    0; a prior of that scale pinned the batch-8 bucket's slope at 0 however clean its steps."""
+    g = torch.Generator().manual_seed(0)
+    m = StepCostModel()
+    for i in range(64):
+        t = 2 + 8 * i
+        m.observe(t, 0.015 - 1e-5 * t + 3e-4 * float(torch.randn(1, generator=g)), 1)
+    for i in range(32):
+        t = (16, 32, 64, 128)[i % 4]
+        m.observe(t, 0.015 + 1.3e-4 * t + 5e-5 * float(torch.randn(1, generator=g)), 8)
+    assert m._pooled_fit()[1] == 0.0
+    assert m.coefficients(8)[1] == pytest.approx(1.3e-4, rel=0.05)
 
 
 def test_cost_model_fits_each_batch_size_apart():

@@ -267,9 +267,10 @@ class StepCostModel:
     * a **bucket** fit over the steps of the bucket (from ``min_bucket_steps`` steps on; the
       pooled fit before), its slope pulled toward the pooled slope
       as toward a prior of standard deviation ``bucket_slope_sd`` × the pooled slope, with the
-      pooled fit's residual variance as the noise (empirical Bayes): the bucket's own slope once
+      bucket's own residual variance as the noise (the pooled fit's while the bucket has fewer
+      than 4 steps, which fit a line too closely; empirical Bayes): the bucket's own slope once
       its steps have differed enough in tokens to measure it through the noise, the pooled slope
-      until then. A few steps of a bucket do not set its slope: on the shipped pair a batch-8
+      until then (a pooled slope of 0, clamped, sets no prior: the bucket's steps decide). A few steps of a bucket do not set its slope: on the shipped pair a batch-8
       bucket with two steps (32 rows in 15.3 ms, 48 in 14.0) read as a flat cost under a weak
       prior, and every tree grew to ``B_max`` (520-row steps of 84 ms against 15 ms).
 
@@ -437,8 +438,9 @@ class StepCostModel:
         else:
             noise = self._pooled_noise()
         prior = self._pooled_fit()[1]
-        lam = max(noise / max((self.bucket_slope_sd * prior) ** 2, 1e-30),
-                  self.prior_weight * xm * xm)
+        lam = self.prior_weight * xm * xm
+        if prior > 0:  # a pooled slope of 0 (clamped) gives the prior no scale: data decide
+            lam = max(lam, noise / (self.bucket_slope_sd * prior) ** 2)
         b = max(0.0, (sts - n * xm * ym + lam * prior) / (stt - n * xm * xm + lam))
         a = ym - b * xm
         if a < self.min_intercept:
@@ -842,14 +844,14 @@ class BudgetController:
             _check_int("token_budget", token_budget, 1)
         # The cost model's predictions are positive by construction (intercept floored > 0).
         num = len(req_ids)
-        self.stats.steps += 1
-        up = self._probe_up(self.stats.steps)
-        probe = (2.0 if up else 0.5) if (
-            up is not None and self.cost.spread(num) < self.min_spread) else None
         weights = None
         if remaining_tokens is not None:
             left = _check_weights([max(float(x), 1.0) for x in remaining_tokens], num)
             weights = left / left.mean()
+        self.stats.steps += 1
+        up = self._probe_up(self.stats.steps)
+        probe = (2.0 if up else 0.5) if (
+            up is not None and self.cost.spread(num) < self.min_spread) else None
         alloc = _allocate(values, lambda rows: self.cost.seconds(rows, num), self.max_budget,
                           token_budget,
                           _check_int("extra_tokens", extra_tokens, 0), self.drafter_seconds,

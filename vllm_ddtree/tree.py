@@ -233,8 +233,8 @@ def _build_batch(
     # A tree of b nodes is at most b deep and needs at most the top b tokens of a depth:
     # deeper rows and lower ranks are never read. topk over the [R, L, V] drafter output is
     # most of a small tree's build (~4.5 us a row of 4096 on this CPU at k <= 8, growing with
-    # k), so with one budget per request each request's own rows go through a top-k of its
-    # own k (one call per distinct k).
+    # k), so with one budget per request each request's own rows go through a top-k sized
+    # for it.
     budgets_r = [b] * num_req if per_request is None else per_request
     depths = [min(depth_l, x) for x in budgets_r]
     ks = [min(x, vocab) if c is None else min(x, vocab, c) for x in budgets_r]
@@ -343,12 +343,14 @@ def build_draft_trees(
     One ``topk`` over the whole batch and one device->host copy; the heaps then run per request
     on the host.  Same arguments, semantics and ``ValueError`` cases as :func:`build_draft_tree`
     (messages name ``log_probs[r]`` for per-request value errors), except that ``budget`` may
-    also be a list or tuple of ``R`` budgets, one per request: requests of equal budget share
-    one ``topk`` (at ``K = budget[r]``, over their first ``min(L, budget[r])`` depths) and each
-    heap stops at its own budget, so tree ``r`` is the best-first tree of ``budget[r]`` nodes,
-    as built alone at ``budget[r]`` (log-probs tied exactly at its ``K``-th place: the tied
-    token ``torch.topk`` picks), and the value checks cover those depths only; a list of
-    another length raises ``ValueError``.  ``R == 0`` gives ``[]``.
+    also be a list or tuple of ``R`` budgets, one per request: each request's first
+    ``min(L, budget[r])`` depths go through one ``topk`` shared by the requests whose
+    ``K = budget[r]`` falls in the same power-of-two class (``K`` ≤ 2, 3–4, 5–8, 9–16, …; run at
+    the class's largest ``K``, one call and one copy per class) and each heap stops at its own
+    budget, so tree ``r`` is the best-first tree of ``budget[r]`` nodes, as built alone at
+    ``budget[r]`` (log-probs tied exactly at its ``K``-th place: the tied token ``torch.topk``
+    picks), and the value checks cover those depths only; a list of another length raises
+    ``ValueError``.  ``R == 0`` gives ``[]``.
     """
     lp = _check_log_probs(log_probs, 3, "[R, L, V]")
     return _build_batch(lp, budget, max_children, batched=True)

@@ -296,10 +296,16 @@ class DDTreeSpeculator(DFlashSpeculator):
         """``ddtree_budget="auto"``: each request's tokens left to generate, for the step's
         allocation (``remaining_tokens`` of :meth:`BudgetController.allocate
         <vllm_ddtree.budget.BudgetController.allocate>`): V2's ``RequestState.max_seq_len``
-        (prompt + ``max_tokens``) less the tokens computed before this step and the one
-        sampled last (vllm/v1/worker/gpu/states.py)."""
+        (prompt + ``max_tokens``) less what this step leaves computed or sampled: the tokens
+        computed before it and the one sampled last, or, in a prefill step, the prefill
+        (``RequestState.prefill_len``; vllm/v1/worker/gpu/states.py)."""
+        prefill = getattr(getattr(req_states, "prefill_len", None), "np", None)
+        if prefill is None or getattr(req_states, "max_seq_len", None) is None:
+            self._remaining = {}  # a vLLM without these fields: every request alike
+            return
         idx = input_batch.idx_mapping_np[: input_batch.num_reqs]
-        left = req_states.max_seq_len[idx] - req_states.num_computed_tokens_np[idx] - 1
+        done = np.maximum(req_states.num_computed_tokens_np[idx] + 1, prefill[idx])
+        left = req_states.max_seq_len[idx] - done
         self._remaining = dict(zip(input_batch.req_ids[: input_batch.num_reqs], left.tolist()))
 
     def record_output(self, req_ids: list[str], sampled: torch.Tensor,
