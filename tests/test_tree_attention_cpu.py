@@ -658,6 +658,7 @@ def _per_node_kernel(sc, impl, requests, head_size, block_size):
 @pytest.mark.parametrize("dtype,head_size,block_size,matmul_max_rows,path", [
     (torch.float32, 32, 16, None, "one call"),  # small blocks: paths cross block boundaries
     (torch.float32, 32, 16, 0, "one call"),  # through the SDPA branch of attend_paged_heads
+    (torch.float32, 32, 16, None, "one call, a request per gather"),
     (torch.float32, 32, 16, None, "chains"),
     (torch.bfloat16, 64, 32, None, "one call"),
     (torch.bfloat16, 64, 32, 0, "one call"),
@@ -681,6 +682,8 @@ def test_tree_rows_equal_reference_and_per_node_kernel(model_dtype, dtype, head_
         monkeypatch.setattr(cpu_backend, "ONE_CALL_ISAS", ())
     else:  # these trees are small: bf16 would take the chains by default
         monkeypatch.setattr(cpu_backend, "LOW_PRECISION_ONE_CALL_MIN_ROWS", 0)
+    if path.endswith("a request per gather"):
+        monkeypatch.setattr(paged, "GATHER_CHUNK_BYTES", 1)
     heads, kv_heads = 8, 2
     names = ["bushy", None, "deep", "chain", "leaves", "spine_then_fork"]
     trees = {r: TREES[nm] for r, nm in enumerate(names) if nm}
@@ -702,7 +705,11 @@ def test_tree_rows_equal_reference_and_per_node_kernel(model_dtype, dtype, head_
         kv_again = sc.kv_cache.clone()
         out_again = run_impl(ours, sc, kv_again)  # a second layer with the same metadata
     assert [k[1] for k in batch.backend_cache] == [
-        "cpu_tree_rows" if path == "one call" else "cpu_waves"]
+        "cpu_tree_rows" if path.startswith("one call") else "cpu_waves"]
+    if path.endswith("a request per gather"):
+        chunks = next(iter(batch.backend_cache.values()))[1].chunks
+        assert [c[3][0] for c in chunks] == [1] * sum(
+            cpu_backend.off_spine_rows(q.ancestor_mask).numel() > 0 for q in requests)
     assert torch.equal(out_again, out) and torch.equal(kv_again, kv_ours)
     expected = run_impl(vllms, sc, kv_vllm)
     assert torch.equal(kv_ours, kv_vllm)

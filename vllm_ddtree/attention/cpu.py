@@ -53,10 +53,12 @@ from vllm_ddtree.attention.common import (
     TreeAttentionRequest,
     active_tree_batch,
 )
+from vllm_ddtree.attention import paged
 from vllm_ddtree.attention.paged import (
     VERIFIED_ISAS,
+    _attend_blocks,
+    _check_layout_supported,
     _paged_head_rows,
-    attend_paged_heads,
     gather_paged_kv,
 )
 
@@ -143,28 +145,28 @@ def _strict_upper(n: int) -> np.ndarray:
 class _TreeRowPlan:
     """A step's tree-row recomputation for one attention-metadata object (all layers share it).
 
-    ``R`` requests with off-spine rows, at most ``k`` such rows each, ``m`` cache blocks read
-    per request (``S = m * block_size`` keys).
+    ``R`` requests with off-spine rows, at most ``k`` such rows each, ``G = g * k`` query rows
+    per KV head (``g = num_heads // num_kv_heads``; row ``gi * k + i`` is head ``gi`` of the
+    group, off-spine row ``i``), ``m`` cache blocks read per request (``S = m * block_size``
+    keys). Everything is index arithmetic done once, so a layer runs a fixed handful of ops.
 
-    ``key_rows`` / ``value_rows``: ``[R * num_kv_heads * m]`` long, the blocks to read
-    (:func:`~vllm_ddtree.attention.paged.paged_head_rows` of vLLM's block-table rows; entries
-    past a request's own blocks are masked out). ``query_index``: ``[R * k]`` long flat query
-    rows, request-major (padding repeats the request's first off-spine row). ``bias``: ``[R, 1,
-    g * k, S]`` float32 (``g = num_heads // num_kv_heads``, head-group-major rows as the query
-    is folded), the ancestor-only mask as ``0`` / ``-inf`` (context keys, then the
-    ancestor-or-self tree keys). ``result_index``: ``[q]`` long positions of the real rows among
-    the ``R * k`` (``None`` when every request has ``k`` rows: all are real); ``rows``: ``[q]``
-    long their flat output rows.
+    ``chunks``: one ``(query_index, kv_rows, bias, shape)`` per group of requests gathered
+    together (:data:`~vllm_ddtree.attention.paged.GATHER_CHUNK_BYTES`). ``query_index``: long,
+    rows of the query viewed ``[num_tokens * num_heads, head_size]``, in ``shape`` order
+    (padding repeats the request's first off-spine row); ``shape`` ``(c, Hkv, m, G, D)`` on the
+    matmul path (the rows repeated for each block) or ``(c, Hkv, G, D)``. ``kv_rows``: ``[2 * c
+    * Hkv * m]`` long, the cache rows of the keys then of the values
+    (:func:`~vllm_ddtree.attention.paged.paged_head_rows`; entries past a request's own blocks
+    are masked out; ``m`` is ``num_blocks``). ``bias``: float32, the ancestor-only mask as ``0`` / ``-inf`` (context
+    keys, then the ancestor-or-self tree keys), ``[c, 1, G, S]``. ``result_index``: ``[q]`` long positions of the real rows among the ``R * Hkv *
+    G`` results (``None`` when there is no padding); ``rows``: ``[q]`` long their rows in the
+    output viewed ``[num_tokens * num_heads, head_size]``.
     """
 
-    key_rows: torch.Tensor
-    value_rows: torch.Tensor
-    query_index: torch.Tensor
-    bias: torch.Tensor
+    chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]]
     result_index: torch.Tensor | None
     rows: torch.Tensor
-    num_requests: int
-    max_rows: int
+    num_blocks: int
 
 
 def tree_chains(ancestor_mask: torch.Tensor) -> list[tuple[list[int], int]]:
@@ -432,8 +434,10 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
 
         A row whose ancestor-or-self set is ``{0 … i}`` (the root and a spine prefix) already got
         the right result from vLLM's causal kernel and keeps its bits. All other rows of all
-        tree requests are recomputed in **one** batched attention
-        (:func:`~vllm_ddtree.attention.paged.attend_paged_heads`): each request's cache blocks
+        tree requests are recomputed in **one** batched attention (the body of
+        :func:`~vllm_ddtree.attention.paged.attend_paged_heads`, every index precomputed in
+        the plan, so a layer runs seven torch ops: two gathers, two ``bmm``, the mask's add,
+        the softmax and the output's ``index_copy_``): each request's cache blocks
         (committed context and this step's tree K/V, already written by
         :meth:`do_kv_cache_update`, so a layer sharing another layer's cache needs nothing else)
         are read once, and every off-spine row attends to the context and its ancestor-or-self
@@ -442,7 +446,8 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
 
         The plan (blocks, query rows, mask) depends only on the trees and this step's
         attention metadata, so it is built once per forward and cached in
-        ``batch.backend_cache`` for every layer with the same metadata object and heads.
+        ``batch.backend_cache`` for every layer with the same metadata object, heads and cache
+        layout.
 
         Rounding: torch computes these rows in float32 from the cache's values and rounds each
         element once to the cache dtype; vLLM's kernel (float32 arithmetic too, another
@@ -458,37 +463,44 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         isa = getattr(layer, "isa", None)
         if isa is None:
             raise ValueError("attention layer has no 'isa' (set by CPUAttentionMetadataBuilder)")
-        plan = self._tree_row_plan(batch, attn_metadata, kv_cache.shape[2], query.device)
+        plan = self._tree_row_plan(batch, attn_metadata, kv_cache, isa)
         if plan is None:
             return
-        out = output.view(output.shape[0], self.num_heads, -1) if output.dim() == 2 else output
-        num_kv_heads = kv_cache.shape[1]
-        r, k = plan.num_requests, plan.max_rows
-        g = self.num_heads // num_kv_heads
-        q = (query.index_select(0, plan.query_index)
-             .view(r, k, num_kv_heads, g, -1).permute(0, 2, 3, 1, 4)
-             .reshape(r, num_kv_heads, g * k, -1))  # head-group-major rows: gi * k + i
-        res = attend_paged_heads(q, kv_cache, plan.key_rows, plan.value_rows, plan.bias,
-                                 self.scale, isa)
-        res = res.view(r, num_kv_heads, g, k, -1).permute(0, 3, 1, 2, 4).reshape(
-            r * k, self.num_heads, -1)
+        head_size = query.shape[-1]
+        num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+        cache_rows = kv_cache.view(num_blocks * num_kv_heads * 2, block_size * head_size)
+        flat_query = query.reshape(-1, head_size)  # a view unless the query is strided
+        res = [_attend_blocks(flat_query.index_select(0, query_index).view(shape).float(),
+                              cache_rows, kv_rows, bias, self.scale, isa, plan.num_blocks,
+                              block_size)
+               for query_index, kv_rows, bias, shape in plan.chunks]
+        res = (res[0] if len(res) == 1 else torch.cat(res)).view(-1, head_size)
         if plan.result_index is not None:
             res = res.index_select(0, plan.result_index)
-        out.index_copy_(0, plan.rows, res.to(out.dtype))
+        # vLLM's kernel, which wrote the other rows, takes a contiguous output too.
+        output.view(-1, head_size).index_copy_(0, plan.rows, res.to(output.dtype))
 
     def _tree_row_plan(self, batch: TreeAttentionBatch, attn_metadata: CPUAttentionMetadata,
-                       block_size: int, device: torch.device) -> "_TreeRowPlan | None":
+                       kv_cache: torch.Tensor, isa: str) -> "_TreeRowPlan | None":
         """This step's :class:`_TreeRowPlan` for ``attn_metadata`` (cached in ``batch``).
 
         Raises:
             ValueError / NotImplementedError: see :meth:`forward` (checked when the plan is
-                built, i.e. once per metadata object and head configuration).
+                built, i.e. once per metadata object, head configuration and cache layout).
         """
-        key = ("cpu_tree_rows", block_size, str(device), self.num_heads, self.num_kv_heads)
+        _, num_kv_heads, block_size, two_d = kv_cache.shape
+        key = ("cpu_tree_rows", isa, kv_cache.dtype, block_size, two_d, str(kv_cache.device),
+               self.num_heads, num_kv_heads)
         return _cached_plan(batch, attn_metadata, key, lambda: self._build_tree_row_plan(
-            batch, attn_metadata, block_size, device))
+            batch, attn_metadata, kv_cache, isa))
 
-    def _build_tree_row_plan(self, batch, attn_metadata, block_size, device):
+    def _build_tree_row_plan(self, batch, attn_metadata, kv_cache, isa):
+        _, num_kv_heads, block_size, two_d = kv_cache.shape
+        head_size = two_d // 2
+        if num_kv_heads != self.num_kv_heads or head_size != self.head_size:
+            raise ValueError(f"kv_cache {tuple(kv_cache.shape)} does not fit {self.num_kv_heads} "
+                             f"KV heads of {self.head_size}")
+        _check_layout_supported(isa, kv_cache.dtype, block_size, head_size)
         query_start_loc = attn_metadata.query_start_loc.tolist()
         seq_lens = attn_metadata.seq_lens.tolist()
         dynamic_causal = attn_metadata.dynamic_causal
@@ -512,6 +524,7 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         ctx = np.array([req.context_len for req in reqs])
         size = np.array([req.num_rows for req in reqs])
         m = int(((ctx + size + block_size - 1) // block_size).max())
+        seq = m * block_size
         # Each request's off-spine rows first, in order; padding repeats its first one.
         order = np.argsort(~need, axis=1, kind="stable")[:, :k]
         valid = np.arange(k) < count[:, None]  # [r, k]
@@ -520,28 +533,45 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         tree_rows = a[np.arange(r)[:, None], node]  # [r, k, n]
         # Tree key j of request t sits at column ctx[t] + j; padding columns (j >= size[t]) go
         # to a spare last column, dropped after.
-        cols = np.where(np.arange(n) < size[:, None], ctx[:, None] + np.arange(n), m * block_size)
-        mask = np.zeros((r, k, m * block_size + 1), dtype=bool)
+        cols = np.where(np.arange(n) < size[:, None], ctx[:, None] + np.arange(n), seq)
+        mask = np.zeros((r, k, seq + 1), dtype=bool)
         mask[np.arange(r)[:, None, None], np.arange(k)[None, :, None], cols[:, None, :]] = tree_rows
         mask = mask[:, :, :-1]
-        mask |= (np.arange(m * block_size) < ctx[:, None])[:, None, :]  # context keys: [r, k, S]
-        # Head-group-major rows, as the query is folded: row gi * k + i is head group gi, row i.
-        g = self.num_heads // self.num_kv_heads
-        bias = np.where(mask, np.float32(0), np.float32(-np.inf))
-        bias = np.repeat(bias[:, None], g, axis=1).reshape(r, 1, g * k, -1)  # a writable copy
-        query_index = np.array([req.query_start for req in reqs])[:, None] + node
+        mask |= (np.arange(seq) < ctx[:, None])[:, None, :]  # context keys: [r, k, S]
+        # Query row (t, h, gi, i): token query_start[t] + node[t, i], head h * g + gi, i.e. row
+        # token * num_heads + head of the query viewed [num_tokens * num_heads, head_size].
+        g = self.num_heads // num_kv_heads
+        tokens = np.array([req.query_start for req in reqs])[:, None] + node  # [r, k]
+        heads = np.arange(num_kv_heads)[:, None] * g + np.arange(g)  # [Hkv, g]
+        rows = (tokens[:, None, None, :] * self.num_heads
+                + heads[None, :, :, None]).reshape(r, num_kv_heads, g * k)
+        matmul = g * k <= paged.MATMUL_MAX_ROWS
+        # The matmul path repeats the rows for each block (see _attend_blocks).
+        flat = np.repeat(rows[:, :, None], m, axis=2) if matmul else rows  # [r, Hkv, (m,) G]
+        bias = np.where(np.broadcast_to(mask[:, None], (r, g, k, seq)), np.float32(0),
+                        np.float32(-np.inf)).reshape(r, 1, g * k, seq)  # row gi * k + i
         table = attn_metadata.block_table.to("cpu").numpy()
         table = table[[req.batch_index for req in reqs], :m]  # past a request: masked
-        key_rows = _paged_head_rows(table, self.num_kv_heads)
-        rows = query_index[valid] if padded else query_index.reshape(-1)
+        key_rows = _paged_head_rows(table, num_kv_heads).reshape(r, -1)
+        per_request = 2 * num_kv_heads * seq * head_size * 4  # float32 keys + values
+        chunk = max(1, paged.GATHER_CHUNK_BYTES // per_request)
+        device = kv_cache.device
+        chunks = []
+        for lo in range(0, r, chunk):
+            hi = min(r, lo + chunk)
+            kv_rows = np.concatenate([key_rows[lo:hi].reshape(-1), key_rows[lo:hi].reshape(-1) + 1])
+            shape = ((hi - lo, num_kv_heads, m, g * k, head_size) if matmul
+                     else (hi - lo, num_kv_heads, g * k, head_size))
+            chunks.append((torch.from_numpy(flat[lo:hi].reshape(-1)).to(device),
+                           torch.from_numpy(kv_rows).to(device),
+                           torch.from_numpy(bias[lo:hi]).to(device), shape))
+        if padded:  # the real rows among the [r, Hkv, G] results
+            real = np.broadcast_to(valid[:, None, None], (r, num_kv_heads, g, k)).reshape(-1)
+            result_index = torch.from_numpy(real.nonzero()[0]).to(device)
+            rows = rows.reshape(-1)[real]
         return _TreeRowPlan(
-            key_rows=torch.from_numpy(key_rows).to(device),
-            value_rows=torch.from_numpy(key_rows + 1).to(device),
-            query_index=torch.from_numpy(query_index.reshape(-1)).to(device),
-            bias=torch.from_numpy(bias).to(device),
-            result_index=(torch.from_numpy((np.arange(r)[:, None] * k + np.arange(k))[valid])
-                          .to(device) if padded else None),
-            rows=torch.from_numpy(rows).to(device), num_requests=r, max_rows=k,
+            chunks=chunks, result_index=result_index if padded else None,
+            rows=torch.from_numpy(rows.reshape(-1)).to(device), num_blocks=m,
         )
 
     def _overwrite_tree_rows(

@@ -250,11 +250,11 @@ def attend_paged_heads(
 ) -> torch.Tensor:
     """Attention of several requests' query rows over whole blocks of the CPU paged cache.
 
-    Each request's blocks are read once: one ``index_select`` of the key rows and one of the value
-    rows of the cache (:func:`paged_head_rows`); the values are then already token-major
+    Each request's blocks are read once: one ``index_select`` of the key rows and value rows
+    of the cache together (:func:`paged_head_rows`); the values are then already token-major
     (``[R, Hkv, S, D]``, no further copy). Up to :data:`MATMUL_MAX_ROWS` rows per KV head the
-    scores are explicit matmuls against the writer's ``[D, bs]`` key blocks (``vec`` / ``vec16``
-    of vLLM's ``cpu_attn_reshape_and_cache``), a softmax and a matmul with the values; above it
+    scores are one ``bmm`` against the writer's ``[D, bs]`` key blocks (``vec`` / ``vec16`` of
+    vLLM's ``cpu_attn_reshape_and_cache``), a softmax and a ``bmm`` with the values; above it
     the keys are transposed to token-major and the attention is one
     ``torch.nn.functional.scaled_dot_product_attention`` call (its CPU kernel tiles the scores,
     which matters at a few hundred tree rows). In the ``amx`` layout (bf16 on CPUs with AMX) the
@@ -302,52 +302,76 @@ def attend_paged_heads(
             f"{kv_cache.is_contiguous()}), key_rows {tuple(key_rows.shape)}, value_rows "
             f"{tuple(value_rows.shape)} and bias {tuple(bias.shape)} do not fit together"
         )
+    if r == 0:
+        return torch.empty(query.shape, dtype=torch.float32, device=query.device)
     rows = kv_cache.view(num_blocks * num_kv_heads * 2, block_size * head_size)
     query = query.to(torch.float32)
     bias = bias.to(torch.float32)
+    if rows_per_head <= MATMUL_MAX_ROWS:  # the matmul path's layout (see _attend_blocks)
+        query = query.unsqueeze(2).expand(r, hkv, m, rows_per_head, d).contiguous()
     per_request = 2 * hkv * m * block_size * head_size * 4  # float32 keys + values
     chunk = max(1, GATHER_CHUNK_BYTES // max(per_request, 1))
-    if r <= chunk:
-        return _attend_blocks(query, rows, key_rows, value_rows, bias, scale, isa, m, block_size)
     n = hkv * m  # cache rows per request and half
     return torch.cat([
-        _attend_blocks(query[a:a + chunk], rows, key_rows[a * n:(a + chunk) * n],
-                       value_rows[a * n:(a + chunk) * n], bias[a:a + chunk], scale, isa, m,
-                       block_size)
+        _attend_blocks(query[a:a + chunk], rows,
+                       torch.cat([key_rows[a * n:(a + chunk) * n],
+                                  value_rows[a * n:(a + chunk) * n]]),
+                       bias[a:a + chunk], scale, isa, m, block_size)
         for a in range(0, r, chunk)])
 
 
-def _attend_blocks(query, rows, key_rows, value_rows, bias, scale, isa, m, block_size):
-    """:func:`attend_paged_heads` on validated float32 inputs for one group of requests;
-    ``rows`` is the cache as ``[nb * Hkv * 2, bs * D]``."""
-    r, hkv, rows_per_head, head_size = query.shape
+def _attend_blocks(query, rows, kv_rows, bias, scale, isa, m, block_size):
+    """:func:`attend_paged_heads` on validated float32 inputs for one group of ``R`` requests.
+
+    ``rows`` is the cache as ``[nb * Hkv * 2, bs * D]``; ``kv_rows`` ``[2 * R * Hkv * m]`` long
+    its key rows then its value rows (one gather for both); ``bias`` ``[R, 1, G, S]``. Two
+    paths, by the query's rank:
+
+    * matmul (``G <= MATMUL_MAX_ROWS``): ``query`` ``[R, Hkv, m, G, D]`` contiguous, the rows
+      repeated for each block, so the scores are one ``bmm`` against the writer's ``[D, bs]`` key
+      blocks as they lie (no copy of the keys); the block axis is moved while the mask is
+      added, then a softmax and a ``bmm`` with the values, which are token-major already.
+    * SDPA: ``query`` ``[R, Hkv, G, D]``.
+
+    Returns ``[R, Hkv, G, D]`` float32.
+    """
+    matmul = query.dim() == 5
+    r, hkv = query.shape[:2]
+    rows_per_head, head_size = query.shape[-2:]
     seq = m * block_size
-    raw_keys = rows.index_select(0, key_rows)
-    raw_values = rows.index_select(0, value_rows)
+    raw_keys, raw_values = rows.index_select(0, kv_rows).chunk(2)
     if isa == "amx":  # keys in tiles: unpack both halves to token-major first
         keys, values = _blocks_head_major(
             raw_keys.view(r, hkv, m, block_size, head_size).transpose(1, 2),
             raw_values.view(r, hkv, m, block_size, head_size).transpose(1, 2), isa)
-        keys, values, key_blocks = keys.float(), values.float(), None
+        keys, values = keys.float(), values.float()
+        if matmul:
+            scores = torch.bmm(query[:, :, 0].reshape(r * hkv, rows_per_head, head_size),
+                               keys.view(r * hkv, seq, head_size).transpose(1, 2))
+            logits = torch.add(bias, scores.view(r, hkv, rows_per_head, seq), alpha=scale)
     else:
         values = raw_values.view(r, hkv, seq, head_size).float()
         key_blocks = raw_keys.view(r, hkv, m, head_size, block_size)
-        if rows_per_head <= MATMUL_MAX_ROWS:
-            key_blocks = key_blocks.float()
+        if matmul:
+            scores = torch.bmm(query.view(r * hkv * m, rows_per_head, head_size),
+                               key_blocks.float().view(r * hkv * m, head_size, block_size))
+            if m == 1:
+                logits = torch.add(bias, scores.view(r, hkv, rows_per_head, seq), alpha=scale)
+            else:  # [R, Hkv, m, G, bs] -> [R, Hkv, G, m, bs] in the add's write
+                logits = torch.empty(r, hkv, rows_per_head, m, block_size, dtype=torch.float32,
+                                     device=query.device)
+                torch.add(bias.view(r, 1, rows_per_head, m, block_size).transpose(2, 3),
+                          scores.view(r, hkv, m, rows_per_head, block_size), alpha=scale,
+                          out=logits.transpose(2, 3))
+                logits = logits.view(r, hkv, rows_per_head, seq)
         else:  # token-major for SDPA: transposed and converted in one copy
             keys = torch.empty(r, hkv, m, block_size, head_size, dtype=torch.float32,
                                device=query.device)
             keys = keys.copy_(key_blocks.transpose(-1, -2)).view(r, hkv, seq, head_size)
-            key_blocks = None
-    if rows_per_head <= MATMUL_MAX_ROWS:
-        if key_blocks is None:
-            scores = torch.matmul(query, keys.transpose(-1, -2))
-        else:
-            # Scores straight off the writer's [D, bs] key blocks: no transpose copy of the keys.
-            scores = torch.matmul(query.unsqueeze(2), key_blocks)  # [R, Hkv, m, G, bs]
-            scores = scores.permute(0, 1, 3, 2, 4).reshape(r, hkv, rows_per_head, seq)
-        probs = torch.softmax(torch.add(bias, scores, alpha=scale), dim=-1)
-        return torch.matmul(probs, values)
+    if matmul:
+        probs = torch.softmax(logits, dim=-1).view(r * hkv, rows_per_head, seq)
+        return torch.bmm(probs, values.reshape(r * hkv, seq, head_size)).view(
+            r, hkv, rows_per_head, head_size)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scale)
 
 
