@@ -217,17 +217,19 @@ def lay_out_step(
     if not requests:
         return None
 
+    # numpy: a handful of small arrays per request, where torch's per-op cost dominated.
     rows, tpos, cpos = [], [], []
     attn_reqs: list[TreeAttentionRequest] = []
     tree_rows = []
     for r in requests:
         if not r.is_tree:
             continue
-        idx = torch.arange(r.num_rows)
-        moved = r.tree.depths != idx  # rows whose depth position differs from the chain
-        rows.append(r.root_row + idx[moved])
-        tpos.append(r.context_len + r.tree.depths[moved])
-        cpos.append(r.context_len + idx[moved])
+        depths = r.tree.depths.numpy()
+        idx = np.arange(r.num_rows)
+        moved = np.flatnonzero(depths != idx)  # rows whose depth position differs from the chain
+        rows.append(r.root_row + moved)
+        tpos.append(r.context_len + depths[moved])
+        cpos.append(r.context_len + moved)
         attn_reqs.append(
             TreeAttentionRequest(
                 batch_index=r.batch_index,
@@ -238,8 +240,11 @@ def lay_out_step(
             )
         )
         tree_rows.append(r.root_row + idx)
-    empty = torch.zeros(0, dtype=torch.long)
-    cat = lambda xs: (torch.cat(xs) if xs else empty).to(device)  # noqa: E731
+
+    def cat(xs: list[np.ndarray]) -> torch.Tensor:
+        flat = np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)
+        return torch.from_numpy(flat.astype(np.int64, copy=False)).to(device)
+
     return TreeStep(
         requests=requests,
         position_rows=cat(rows),
