@@ -548,8 +548,8 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         matmul = g * k <= paged.MATMUL_MAX_ROWS
         # The matmul path repeats the rows for each block (see _attend_blocks).
         flat = np.repeat(rows[:, :, None], m, axis=2) if matmul else rows  # [r, Hkv, (m,) G]
-        bias = np.where(np.broadcast_to(mask[:, None], (r, g, k, seq)), np.float32(0),
-                        np.float32(-np.inf)).reshape(r, 1, g * k, seq)  # row gi * k + i
+        bias = np.repeat(np.where(mask, np.float32(0), np.float32(-np.inf))[:, None], g,
+                         axis=1).reshape(r, 1, g * k, seq)  # row gi * k + i
         table = attn_metadata.block_table.to("cpu").numpy()
         table = table[[req.batch_index for req in reqs], :m]  # past a request: masked
         key_rows = _paged_head_rows(table, num_kv_heads).reshape(r, -1)
