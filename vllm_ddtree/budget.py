@@ -139,8 +139,10 @@ class AcceptanceCalibrator:
         return torch.from_numpy(self._buckets(q.detach().double().cpu().numpy()))
 
     def _buckets(self, q: np.ndarray) -> np.ndarray:
-        lg = -np.log2(np.clip(q, 1e-300, 1.0))
-        return np.clip(np.floor(lg), 0, self.num_buckets - 1).astype(np.int64)
+        # ufuncs, not np.clip: this runs every step on small arrays, where np.clip's Python
+        # wrapper cost more than the arithmetic.
+        lg = np.floor(-np.log2(np.minimum(np.maximum(q, 1e-300), 1.0)))
+        return np.minimum(np.maximum(lg, 0), self.num_buckets - 1).astype(np.int64)
 
     def observe(self, path_probs: torch.Tensor, accepted: torch.Tensor) -> None:
         """Fold one verified tree (or several, concatenated) into the estimates.
@@ -187,7 +189,7 @@ class AcceptanceCalibrator:
         return torch.from_numpy(self._calibrate(path_probs.detach().double().cpu().numpy()))
 
     def _calibrate(self, q: np.ndarray) -> np.ndarray:
-        return np.clip(q * self._ratios()[self._buckets(q)], 0.0, 1.0)
+        return np.minimum(np.maximum(q * self._ratios()[self._buckets(q)], 0.0), 1.0)
 
 
 def _check_observation(path_probs: object, accepted: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,15 +237,20 @@ def _batch_marginal_values(path_log_probs: Sequence[torch.Tensor],
     sizes = [p.numel() - 1 for p in path_log_probs]
     if not sizes:
         return []
-    lp = torch.cat([p[1:] for p in path_log_probs]).detach().cpu().numpy().astype(np.float64)
+    lp = np.concatenate([p.detach().cpu().numpy()[1:] for p in path_log_probs]).astype(
+        np.float64)
     if np.isnan(lp).any():
         raise ValueError("path_log_probs hold NaN")
-    q = np.clip(np.exp(lp), 0.0, 1.0)
+    q = np.minimum(np.maximum(np.exp(lp), 0.0), 1.0)
     v = q if calibrator is None else calibrator._calibrate(q)
     # Pop order is non-increasing in q, but calibration ratios can jump up at a bucket edge
     # (and sums round): a node is never worth more than one popped before it, which keeps the
     # values sorted for the allocation without raising any estimate.
-    return [np.minimum.accumulate(x) for x in np.split(v, np.cumsum(sizes)[:-1])]
+    out, at = [], 0
+    for n in sizes:
+        out.append(np.minimum.accumulate(v[at:at + n]))
+        at += n
+    return out
 
 
 # --------------------------------------------------------------------------- step cost
@@ -847,12 +854,13 @@ class BudgetController:
         weights = None
         if remaining_tokens is not None:
             left = _check_weights([max(float(x), 1.0) for x in remaining_tokens], num)
-            weights = left / left.mean()
+            weights = left / left.mean() if num > 1 else None  # one request: a weight of 1
         self.stats.steps += 1
         up = self._probe_up(self.stats.steps)
         probe = (2.0 if up else 0.5) if (
             up is not None and self.cost.spread(num) < self.min_spread) else None
-        alloc = _allocate(values, lambda rows: self.cost.seconds(rows, num), self.max_budget,
+        intercept, slope = self.cost.coefficients(num)
+        alloc = _allocate(values, lambda rows: intercept + slope * rows, self.max_budget,
                           token_budget,
                           _check_int("extra_tokens", extra_tokens, 0), self.drafter_seconds,
                           self.row_multiple, probe, weights)
@@ -933,10 +941,10 @@ class BudgetController:
                     self.figures.add(auto_predicted_accepted=pred,
                                      auto_observed_accepted=len(idx))
         if qs:
-            q = np.exp(torch.cat(qs).detach().cpu().numpy().astype(np.float64))
+            q = np.exp(np.concatenate([p.detach().cpu().numpy() for p in qs]).astype(np.float64))
             if np.isnan(q).any():
                 raise ValueError("path_log_probs hold NaN")
-            self.calibrator._observe(np.clip(q, 0.0, 1.0), np.concatenate(accs))
+            self.calibrator._observe(np.minimum(q, 1.0), np.concatenate(accs))
 
     def observe_verified(self, step: Any) -> None:
         """Calibrate with what one verified step accepted (:meth:`observe_trees`).
