@@ -125,14 +125,14 @@ def _make_tree(
     scores: list[float],
     child_maps: list[dict[int, int]] | None,
 ) -> DraftTree:
-    parents_t = torch.tensor(parents, dtype=torch.long)
-    max_depth = max(depths)
+    # Through numpy: torch.tensor on a list costs several times np.array's per call.
+    parents_t = torch.from_numpy(np.array(parents, dtype=np.int64))
     return DraftTree(
-        token_ids=torch.tensor(tokens, dtype=torch.long),
+        token_ids=torch.from_numpy(np.array(tokens, dtype=np.int64)),
         parents=parents_t,
-        depths=torch.tensor(depths, dtype=torch.long),
-        ancestor_mask=_ancestor_mask(parents_t, max_depth),
-        path_log_probs=torch.tensor(scores, dtype=torch.float32),
+        depths=torch.from_numpy(np.array(depths, dtype=np.int64)),
+        ancestor_mask=_ancestor_mask(parents_t, max(depths)),
+        path_log_probs=torch.from_numpy(np.array(scores, dtype=np.float32)),
         _child_maps=child_maps,
     )
 
@@ -256,14 +256,18 @@ def _build_batch(
                 0, torch.tensor(pick, device=log_probs.device))
         with torch.no_grad():
             vals, ids = torch.topk(rows, k, dim=-1, largest=True, sorted=True)
-            # Rank equal values by ascending token id: sort by id, then stable sort by value.
-            ids, perm = torch.sort(ids, dim=-1)
-            vals = torch.gather(vals, -1, perm)
-            vals, perm = torch.sort(vals, dim=-1, descending=True, stable=True)
-            ids = torch.gather(ids, -1, perm)
             # One device->host copy: token ids (< 2**53) and fp32/bf16 values are exact in
             # float64.
-            gv, gi = torch.stack((vals.to(torch.float64), ids.to(torch.float64))).tolist()
+            hv, hi = torch.stack((vals.to(torch.float64), ids.to(torch.float64))).cpu().numpy()
+        # Rank equal values by ascending token id. Only rows with a tie need it (rare outside
+        # -inf), so they are found and re-sorted on the host. A row holding NaN keeps topk's
+        # order, NaN first, for the check below.
+        tied = np.flatnonzero((hv[:, 1:] == hv[:, :-1]).any(1) & ~np.isnan(hv).any(1))
+        if tied.size:
+            order = np.lexsort((hi[tied], -hv[tied]), axis=-1)
+            hv[tied] = np.take_along_axis(hv[tied], order, -1)
+            hi[tied] = np.take_along_axis(hi[tied], order, -1)
+        gv, gi = hv.tolist(), hi.tolist()
         at = 0
         for r in group:
             host_vals[r], host_ids[r] = gv[at:at + depths[r]], gi[at:at + depths[r]]
