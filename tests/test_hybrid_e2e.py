@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.models import BF16_BATCH_VARIANCE, greedy_mismatches, make_llm, release_llm
+from tests.support.models import (BF16_BATCH_VARIANCE, NEAR_TIE_LOGPROBS, greedy_mismatches,
+                                  make_llm, release_llm)
 from tests.support.oracle_drafts import OracleDrafts, injected_drafts
 from tests.support.recorder import recorded_verification
 
@@ -35,7 +36,8 @@ ENGINE = dict(max_model_len=512, max_num_batched_tokens=256, max_num_seqs=8)
 def _params():
     from vllm import SamplingParams
 
-    return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2)
+    return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True,
+                           logprobs=NEAR_TIE_LOGPROBS)
             for m in MAX_TOKENS]
 
 

@@ -33,7 +33,7 @@ MAX_TOKENS = 40
 
 SCRIPT = r"""
 import json, os, sys
-from tests.support.models import greedy_mismatches, make_llm, release_llm
+from tests.support.models import NEAR_TIE_LOGPROBS, greedy_mismatches, make_llm, release_llm
 from tests.support.oracle_drafts import DRAFTS_ENV, write_drafts_file
 from vllm import SamplingParams
 if __name__ == "__main__":
@@ -43,7 +43,7 @@ if __name__ == "__main__":
     if args["reference_tp2"]:  # target-only reference at TP=2; drafts file written from it
         llm = make_llm(args["target"], **tp2)
         ref = llm.generate(args["prompts"], SamplingParams(
-            temperature=0, max_tokens=args["max_tokens"], ignore_eos=True, logprobs=2),
+            temperature=0, max_tokens=args["max_tokens"], ignore_eos=True, logprobs=NEAR_TIE_LOGPROBS),
             use_tqdm=False)
         release_llm(llm)
         del llm

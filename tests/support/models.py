@@ -895,11 +895,19 @@ def top2_logprob_gaps(outputs) -> list[float]:
 #: a DDTree run there showed, gap 0.125). fp32 comparisons stay exact (``near_tie=0``).
 BF16_BATCH_VARIANCE = 0.25
 
+#: ``SamplingParams.logprobs`` for the reference of a near-tie comparison. bf16 logits come in
+#: steps of 0.125, so ties are often three-way: the tiny Qwen3-Next's target-only run gave, at
+#: one position, 1532 at -1.637 and 521 and 150 both at -1.762, and a DDTree run on an AVX2 CPU
+#: (1532 and 150 tied there) chose 150; a top-2 reference cannot show that 150 was a near-tie.
+NEAR_TIE_LOGPROBS = 8
+
 
 def greedy_mismatches(reference, candidate, *, near_tie: float = 0.0) -> list[str]:
     """Compare greedy generations token by token; return a description of each unexplained mismatch.
 
-    ``reference``: ``vllm.RequestOutput`` list generated with ``logprobs>=2`` (e.g. target-only);
+    ``reference``: ``vllm.RequestOutput`` list generated with logprobs (e.g. target-only;
+    :data:`NEAR_TIE_LOGPROBS` of them when ``near_tie > 0``, so that every token within the
+    near-tie of the top is listed);
     ``candidate``: a ``RequestOutput`` list or a list of token-id lists, same requests and order.
     For each request the first differing position is located. It is *explained* (not reported)
     when the candidate's token is among the reference's logprobs there and at most ``near_tie``
@@ -929,6 +937,14 @@ def greedy_mismatches(reference, candidate, *, near_tie: float = 0.0) -> list[st
         cand_lp = logprobs[pos].get(cand_ids[pos])
         deficit = top - cand_lp.logprob if cand_lp is not None else float("inf")
         if deficit <= near_tie:
+            continue
+        lowest = min(lp.logprob for lp in logprobs[pos].values())
+        if cand_lp is None and top - lowest <= near_tie:
+            problems.append(
+                f"request {r}: first mismatch at {pos}: reference {ref_ids[pos]} vs candidate "
+                f"{cand_ids[pos]}, which is not among the reference's {len(logprobs[pos])} "
+                f"logprobs, all within near_tie={near_tie} of the top: generate the reference with "
+                f"more logprobs (NEAR_TIE_LOGPROBS) to judge it")
             continue
         problems.append(
             f"request {r}: first mismatch at {pos}: reference {ref_ids[pos]} vs candidate {cand_ids[pos]}, "
