@@ -234,6 +234,27 @@ def test_ties_follow_rank_tuple_rule():
     assert _lists(build_draft_trees(rnd[None].expand(3, 4, 8), 30)[2]) == first
 
 
+def test_batched_ties_ranked_per_row():
+    """Rows with ties and rows without, in one batched build: ties are ranked by token id only
+    where a row holds them; every tree equals the one built from its own log-probs alone."""
+    g = torch.Generator().manual_seed(3)
+    tied = torch.tensor(TIE_VALUES[:-1])[torch.randint(0, 6, (5, 9), generator=g)]
+    untied = torch.log_softmax(torch.randn(5, 9, generator=g) * 3, dim=-1)
+    mixed = untied.clone()
+    mixed[1] = tied[1]  # one depth tied, the others not
+    lp = torch.stack([untied, tied, mixed, tied.flip(-1)])
+    for budget in (1, 7, 30, [4, 30, 12, 1]):
+        got = build_draft_trees(lp, budget)
+        for r, tree in enumerate(got):
+            b = budget[r] if isinstance(budget, list) else budget
+            assert _lists(tree) == _lists(build_draft_tree(lp[r], b)), (budget, r)
+            assert torch.equal(tree.path_log_probs, build_draft_tree(lp[r], b).path_log_probs)
+    # The tied rows follow the rule shown above (ascending token id among equal values).
+    one = build_draft_tree(tied[:1], 9)
+    order = sorted(range(9), key=lambda t: (-tied[0, t].item(), t))
+    assert one.token_ids.tolist() == order
+
+
 def test_neg_inf_tokens_never_become_nodes():
     lp = torch.tensor([[0.0, NEG_INF, NEG_INF], [NEG_INF, -1.0, NEG_INF]])
     tree = build_draft_tree(lp, 10)

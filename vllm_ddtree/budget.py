@@ -277,9 +277,10 @@ class StepCostModel:
       bucket's own residual variance as the noise (the pooled fit's while the bucket has fewer
       than 4 steps, which fit a line too closely; empirical Bayes): the bucket's own slope once
       its steps have differed enough in tokens to measure it through the noise, the pooled slope
-      until then (a pooled slope of 0, clamped, sets no prior: the bucket's steps decide). A few steps of a bucket do not set its slope: on the shipped pair a batch-8
-      bucket with two steps (32 rows in 15.3 ms, 48 in 14.0) read as a flat cost under a weak
-      prior, and every tree grew to ``B_max`` (520-row steps of 84 ms against 15 ms).
+      until then (a pooled slope of 0, clamped, sets no prior: the bucket's steps decide).
+      A few steps of a bucket do not set its slope: on the shipped pair a batch-8 bucket
+      with two steps (32 rows in 15.3 ms, 48 in 14.0) read as a flat cost under a weak prior,
+      and every tree grew to ``B_max`` (520-row steps of 84 ms against 15 ms).
 
     Fits are clamped to slopes >= 0 and ``intercept >= min_intercept`` (a step always costs
     something). On a GPU the slope is close to 0 up to hundreds of tokens; on a CPU it dominates.
@@ -769,7 +770,10 @@ class BudgetController:
 
     Args:
         max_budget: ``B_max``.
-        calibrator, cost: the estimators (new ones by default).
+        calibrator, cost: the estimators (new ones by default). ``cost`` is read through
+            :meth:`StepCostModel.coefficients` (once per allocation: the step's cost is affine
+            in its rows for a given batch size), :meth:`StepCostModel.spread`
+            and :meth:`StepCostModel.observe`.
         probe_every: allocations between probes (0: never).
         min_spread: the :meth:`StepCostModel.spread` below which probes run.
         figures: the metrics sink (:attr:`figures`).

@@ -17,7 +17,8 @@ verification forward:
     0.32 / 0.33 writes: ``vec``, ``vec16``, ``amx``; for bf16 / fp16 caches only from
     :data:`LOW_PRECISION_ONE_CALL_MIN_ROWS` tree rows on): one batched float32 attention for
     all such rows of all requests, over each request's cache blocks, read once
-    (:func:`~vllm_ddtree.attention.paged.attend_paged_heads`), rounded once to the cache dtype.
+    (the body of :func:`~vllm_ddtree.attention.paged.attend_paged_heads`, its indices planned
+    once per step), rounded once to the cache dtype.
     Reading the context once per request instead of once per chain is what makes large trees
     affordable. No method rounds a tree row bit-identically to a decode row: vLLM's kernel
     itself moves a row in the last bits with the call's shape (query length, the other
@@ -157,10 +158,11 @@ class _TreeRowPlan:
     matmul path (the rows repeated for each block) or ``(c, Hkv, G, D)``. ``kv_rows``: ``[2 * c
     * Hkv * m]`` long, the cache rows of the keys then of the values
     (:func:`~vllm_ddtree.attention.paged.paged_head_rows`; entries past a request's own blocks
-    are masked out; ``m`` is ``num_blocks``). ``bias``: float32, the ancestor-only mask as ``0`` / ``-inf`` (context
-    keys, then the ancestor-or-self tree keys), ``[c, 1, G, S]``. ``result_index``: ``[q]`` long positions of the real rows among the ``R * Hkv *
-    G`` results (``None`` when there is no padding); ``rows``: ``[q]`` long their rows in the
-    output viewed ``[num_tokens * num_heads, head_size]``.
+    are masked out; ``m`` is ``num_blocks``). ``bias``: float32, the ancestor-only mask as
+    ``0`` / ``-inf`` (context keys, then the ancestor-or-self tree keys), ``[c, 1, G, S]``.
+    ``result_index``: ``[q]`` long positions of the real rows among the ``R * Hkv * G`` results
+    (``None`` when there is no padding); ``rows``: ``[q]`` long their rows in the output viewed
+    ``[num_tokens * num_heads, head_size]``.
     """
 
     chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]]
@@ -436,8 +438,10 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         the right result from vLLM's causal kernel and keeps its bits. All other rows of all
         tree requests are recomputed in **one** batched attention (the body of
         :func:`~vllm_ddtree.attention.paged.attend_paged_heads`, every index precomputed in
-        the plan, so a layer runs seven torch ops: two gathers, two ``bmm``, the mask's add,
-        the softmax and the output's ``index_copy_``): each request's cache blocks
+        the plan, so a layer runs a fixed handful of torch ops per chunk of requests: the
+        query's and the cache's gathers, two ``bmm`` with the mask's add and the softmax between
+        them (one SDPA call for rows past the matmul path), the float32 conversions and the
+        output's ``index_copy_``): each request's cache blocks
         (committed context and this step's tree K/V, already written by
         :meth:`do_kv_cache_update`, so a layer sharing another layer's cache needs nothing else)
         are read once, and every off-spine row attends to the context and its ancestor-or-self
@@ -474,7 +478,7 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
                               cache_rows, kv_rows, bias, self.scale, isa, plan.num_blocks,
                               block_size)
                for query_index, kv_rows, bias, shape in plan.chunks]
-        res = (res[0] if len(res) == 1 else torch.cat(res)).view(-1, head_size)
+        res = (res[0] if len(res) == 1 else torch.cat(res)).reshape(-1, head_size)
         if plan.result_index is not None:
             res = res.index_select(0, plan.result_index)
         # vLLM's kernel, which wrote the other rows, takes a contiguous output too.

@@ -13,7 +13,8 @@ Free of vLLM imports, so the readers also serve as test oracles:
   string the CPU backend picked (``layer.isa``); only the layouts verified against that writer are
   read (see :data:`VERIFIED_ISAS`), anything else raises ``NotImplementedError``.
 * :func:`attend_paged_heads` -- attention of several requests' rows over whole cache blocks,
-  each block read once, computed in float32 (the CPU backend's tree rows use it).
+  each block read once, computed in float32 (the CPU backend's tree rows run its body,
+  ``_attend_blocks``, on indices planned once per step).
 
 Layouts (per block ``b`` and KV head ``h``; the cache tensor is ``[num_blocks, num_kv_heads,
 block_size, 2 * head_size]``, viewed ``[nb, Hkv, 2 * bs, D]`` and split in halves, so the key part
