@@ -483,6 +483,51 @@ def test_impl_tree_rows_use_ancestor_mask_others_match_vllm(model_dtype, head_si
     assert torch.equal(rec_k, sc.key[tree_rows]) and torch.equal(rec_v, sc.value[tree_rows])
 
 
+def test_vllm_kernel_skips_off_spine_rows_only_where_the_tree_ends_its_request(model_dtype):
+    """vLLM's causal kernel runs without the off-spine rows of a tree that ends its request's
+    query (here after two plain rows of the same request), and with all rows of a request whose
+    tree is followed by more rows (those rows see the tree's keys); either way plain rows keep
+    vLLM's bits and tree rows equal the ancestor-only reference."""
+    model_dtype["dtype"] = torch.float32
+    tree = [-1, 0, 1, 0, 3, 3]  # spine 0-1-2; rows 3, 4, 5 off it
+    lead, trail = 2, 2
+    context_lens, query_lens = [30, 41], [lead + len(tree), len(tree) + trail]
+    sc = make_scenario(context_lens, query_lens, pad_tokens=1, seed=5)
+    starts = [sc.query_start[0] + lead, sc.query_start[1]]
+    requests = [TreeAttentionRequest(batch_index=r, query_start=starts[r], num_rows=len(tree),
+                                     context_len=context_lens[r] + (lead if r == 0 else 0),
+                                     ancestor_mask=parents_to_mask(tree)) for r in (0, 1)]
+    tree_rows = torch.cat([torch.arange(q.query_start, q.query_start + q.num_rows)
+                           for q in requests])
+    batch = TreeAttentionBatch(requests=requests, tree_rows=tree_rows)
+    ours, vllms = make_impls(4, 32, 2)
+    kv_ours, kv_vllm = sc.kv_cache.clone(), sc.kv_cache.clone()
+    with tree_attention_active(batch):
+        out = run_impl(ours, sc, kv_ours)
+    expected = run_impl(vllms, sc, kv_vllm)
+    spine = next(v[1] for k, v in batch.backend_cache.items() if k[1] == "cpu_spine")
+    off = [3, 4, 5]
+    assert spine.metadata.query_start_loc.tolist() == [0, query_lens[0] - 3,
+                                                       sum(query_lens) - 3]
+    assert spine.metadata.seq_lens.tolist() == [context_lens[0] + query_lens[0] - 3,
+                                                context_lens[1] + query_lens[1]]
+    assert spine.keep.tolist() == [i for i in range(sum(query_lens))
+                                   if i - starts[0] not in off]
+    tree_mask = torch.zeros(sc.query.shape[0], dtype=torch.bool)
+    tree_mask[tree_rows] = True
+    assert torch.equal(out[~tree_mask], expected[~tree_mask])
+    for req in requests:
+        rows = slice(req.query_start, req.query_start + req.num_rows)
+        q_lo = sc.query_start[req.batch_index]
+        before = slice(q_lo, req.query_start)  # plain rows of the request before its tree
+        keys = torch.cat([sc.prefix_k[req.batch_index], sc.key[before], sc.key[rows]])
+        values = torch.cat([sc.prefix_v[req.batch_index], sc.value[before], sc.value[rows]])
+        ref = tree_attention_reference(sc.query[rows], keys, values, req.context_len,
+                                       req.ancestor_mask, 32**-0.5)
+        torch.testing.assert_close(out[rows], ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out[rows][:3], expected[rows][:3])  # the spine
+
+
 def test_impl_without_active_batch_is_vllm(model_dtype):
     sc = make_scenario([20, 45, 0], [1, 7, 5], pad_tokens=2, seed=5)
     ours, vllms = make_impls(4, 32, 2)
@@ -705,9 +750,15 @@ def test_tree_rows_equal_reference_and_per_node_kernel(model_dtype, dtype, head_
         kv_again = sc.kv_cache.clone()
         out_again = run_impl(ours, sc, kv_again)  # a second layer with the same metadata
     assert [k[1] for k in batch.backend_cache] == [
+        "cpu_off_spine", "cpu_spine",
         "cpu_tree_rows" if path.startswith("one call") else "cpu_waves"]
+    plans = [v[1] for v in batch.backend_cache.values()][1:]
+    # vLLM's kernel ran without the off-spine rows (recomputed anyway): every other row is kept.
+    off_spine = sum(cpu_backend.off_spine_rows(q.ancestor_mask).numel() for q in requests)
+    assert plans[0].metadata.num_actual_tokens == sc.metadata.num_actual_tokens - off_spine > 0
+    assert plans[0].keep.numel() == plans[0].metadata.num_actual_tokens
     if path.endswith("a request per gather"):
-        chunks = next(iter(batch.backend_cache.values()))[1].chunks
+        chunks = plans[1].chunks
         assert [c[3][0] for c in chunks] == [1] * sum(
             cpu_backend.off_spine_rows(q.ancestor_mask).numel() > 0 for q in requests)
     assert torch.equal(out_again, out) and torch.equal(kv_again, kv_ours)
@@ -757,7 +808,7 @@ def test_small_low_precision_trees_go_chain_by_chain(model_dtype, dtype, rows, p
     ours, _ = make_impls(4, 64, 2)
     with tree_attention_active(batch):
         out = run_impl(ours, sc, sc.kv_cache.clone())
-    assert [k[1] for k in batch.backend_cache] == [plan]
+    assert [k[1] for k in batch.backend_cache] == ["cpu_off_spine", "cpu_spine", plan]
     ref = tree_attention_reference(sc.query[:rows], torch.cat([sc.prefix_k[0], sc.key[:rows]]),
                                    torch.cat([sc.prefix_v[0], sc.value[:rows]]), 40,
                                    req.ancestor_mask, 64 ** -0.5)

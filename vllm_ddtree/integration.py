@@ -555,7 +555,8 @@ REGISTER: list[Change] = [
        "Subclassed by DDTreeCPUAttentionBackend (same name, KV layout, metadata builder).",
        both(None), _ACPU, _CPU),
     _c(f"{_CPU_ATTN}:CPUAttentionBackendImpl.forward", "dependency",
-       "Overridden and called: vLLM's causal result, then tree rows recomputed.",
+       "Overridden and called: vLLM's causal result (with metadata that leaves out the "
+       "off-spine tree rows), then those rows recomputed.",
        both("(self, layer, query, key, value, kv_cache, attn_metadata, output, "
             "output_scale=None, output_block_scale=None)"), _ACPU, _CPU),
     _c(f"{_CPU_ATTN}:CPUAttentionBackendImpl.do_kv_cache_update", "dependency",
@@ -568,7 +569,8 @@ REGISTER: list[Change] = [
             "alibi_slopes, sliding_window, block_table, softcap, scheduler_metadata, s_aux, "
             "dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype='auto')"), _ACPU, _CPU),
     _c(f"{_OPS}:cpu_attn_get_scheduler_metadata", "dependency",
-       "Scheduler metadata for those kernel calls.",
+       "Scheduler metadata for those kernel calls, and for vLLM's forward without the "
+       "off-spine tree rows.",
        both("(num_reqs, num_heads, num_kv_heads, head_dim, seq_lens, dtype, query_start_loc, "
             "causal, sliding_window_size, isa, enable_kv_split, dynamic_causal=None, "
             "kv_cache_dtype='auto')"), _ACPU, _CPU),
@@ -860,8 +862,10 @@ REGISTER: list[Change] = [
             "A seeded request's tree-node noise is keyed by (seed, token position).", _P),
     *_attrs(f"{_CPU_ATTN}:CPUAttentionMetadata",
             "query_start_loc seq_lens block_table slot_mapping num_actual_tokens causal "
-            "dynamic_causal",
-            "The batch layout the CPU tree rows are checked against and recomputed in.", _ACPU,
+            "dynamic_causal max_query_len max_seq_len scheduler_metadata",
+            "The batch layout the CPU tree rows are checked against and recomputed in; "
+            "dataclasses.replace'd (lengths, scheduler metadata) to run vLLM's forward "
+            "without the off-spine tree rows.", _ACPU,
             _CPU),
     *_attrs(f"{_CPU_ATTN}:CPUAttentionBackendImpl",
             "sliding_window alibi_slopes logits_soft_cap sinks is_fp8_kv_cache kv_cache_dtype "

@@ -9,9 +9,9 @@ and writer all inherited); only the impl changes, and only while a
 verification forward:
 
 * ``do_kv_cache_update`` additionally records the layer's fresh K/V for KV compaction;
-* ``forward`` runs vLLM's kernel for the whole batch, then recomputes the tree rows that the
-  causal result got wrong (rows with a sibling branch among their predecessors) under the
-  ancestor-only mask of the DDTree paper (§3), in one of two ways:
+* ``forward`` runs vLLM's kernel for the whole batch except the tree rows that a causal query
+  gets wrong (off-spine rows: a sibling branch among their predecessors), which it then
+  computes under the ancestor-only mask of the DDTree paper (§3), in one of two ways:
 
   - **one call per layer** (the layouts in :data:`ONE_CALL_ISAS`, i.e. every x86 layout vLLM
     0.32 / 0.33 writes: ``vec``, ``vec16``, ``amx``; for bf16 / fp16 caches only from
@@ -35,7 +35,9 @@ verification forward:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -171,6 +173,20 @@ class _TreeRowPlan:
     num_blocks: int
 
 
+@dataclass
+class _SpinePlan:
+    """vLLM's forward without the off-spine tree rows, for one attention-metadata object.
+
+    ``metadata``: ``attn_metadata`` with every cut request's query and ``seq_len`` shortened by
+    its off-spine rows (and ``scheduler_metadata`` rebuilt for them); ``keep``: ``[q]`` long, the
+    rows of the full query that the shortened one holds, in order, or ``None`` when they are the
+    first ``q`` rows.
+    """
+
+    metadata: CPUAttentionMetadata
+    keep: torch.Tensor | None
+
+
 def tree_chains(ancestor_mask: torch.Tensor) -> list[tuple[list[int], int]]:
     """Cut a draft tree into the chains :class:`DDTreeCPUAttentionImpl` recomputes.
 
@@ -303,8 +319,9 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
 
     Without an active tree batch (drafter forward, warm-up/profile runs, plain decoding) every
     method is exactly vLLM's. With one, the rows of each
-    :class:`~vllm_ddtree.attention.common.TreeAttentionRequest` are overwritten with tree
-    attention; all other rows keep vLLM's result bit for bit.
+    :class:`~vllm_ddtree.attention.common.TreeAttentionRequest` get tree attention; all other
+    rows are vLLM's kernel's (from a call that leaves out the off-spine rows, whose results the
+    tests find bit-identical to vLLM's call over every row).
 
     Tree rows refuse (``NotImplementedError``) sliding window, ALiBi, logits soft cap, attention
     sinks, fp8 KV cache, fused output quantization and non-causal metadata rather than return a
@@ -389,10 +406,9 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
             )
 
         self._refuse_unsupported_tree_features(attn_metadata)
-        result = super().forward(
-            layer, query, key, value, kv_cache, attn_metadata, output,
-            output_scale, output_block_scale,
-        )
+        result = self._forward_without_off_spine_rows(
+            layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+            output_block_scale, batch)
         if getattr(layer, "isa", None) in ONE_CALL_ISAS and (
                 kv_cache.dtype == torch.float32
                 or max(req.num_rows for req in batch.requests) >= LOW_PRECISION_ONE_CALL_MIN_ROWS):
@@ -401,6 +417,99 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
             self._overwrite_tree_rows(layer, query, key, value, kv_cache, attn_metadata, output,
                                       batch)
         return result
+
+    def _forward_without_off_spine_rows(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: CPUAttentionMetadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None,
+        output_block_scale: torch.Tensor | None,
+        batch: TreeAttentionBatch,
+    ) -> torch.Tensor:
+        """vLLM's forward for every row of the batch except the off-spine tree rows, which are
+        recomputed afterwards anyway (their rows of ``output`` are left unwritten).
+
+        A tree request whose tree rows end its query keeps its first ``q - k`` rows (the rows
+        before the tree and the spine) and its ``seq_len`` shrinks by ``k`` (its off-spine rows):
+        row ``j`` of a causal query of length ``q`` over ``S`` keys sees keys ``< S - q + j + 1``,
+        and ``S - q`` is unchanged, so every kept row gets the result it got in the full call,
+        and vLLM's kernel no longer attends the off-spine rows that would be thrown away (at
+        B = 64 on Qwen3-0.6B's shape that was as much arithmetic as their recomputation). The
+        query is gathered into a compact tensor (a slice when only the batch's last request is
+        cut) and the results written back; the metadata (``dataclasses.replace`` of vLLM's, with
+        its scheduler metadata rebuilt for the new lengths) is planned once per step.
+        """
+        plan = self._spine_plan(batch, attn_metadata, layer, query.dtype, query.device)
+        if plan is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        if plan.keep is None:  # the kept rows are a prefix; vLLM's forward slices to it
+            super().forward(layer, query, key, value, kv_cache, plan.metadata, output,
+                            output_scale, output_block_scale)
+            return output
+        # key / value are read by vLLM's forward only for encoder attention (not tree rows).
+        res = output.new_empty((plan.keep.numel(), *output.shape[1:]))
+        super().forward(layer, query.index_select(0, plan.keep), key, value, kv_cache,
+                        plan.metadata, res, output_scale, output_block_scale)
+        output.index_copy_(0, plan.keep, res)
+        return output
+
+    def _spine_plan(self, batch: TreeAttentionBatch, attn_metadata: CPUAttentionMetadata,
+                    layer: AttentionLayer, dtype: torch.dtype,
+                    device: torch.device) -> "_SpinePlan | None":
+        """This step's :class:`_SpinePlan` for ``attn_metadata`` (cached in ``batch``); ``None``
+        when no tree has off-spine rows at the end of its request's query."""
+        isa = getattr(layer, "isa", None)
+        if isa is None:
+            raise ValueError("attention layer has no 'isa' (set by CPUAttentionMetadataBuilder)")
+        key = ("cpu_spine", isa, dtype, str(device), self.num_heads, self.num_kv_heads,
+               self.head_size, self.kv_cache_dtype, bool(envs.VLLM_CPU_ATTN_SPLIT_KV))
+        return _cached_plan(batch, attn_metadata, key, lambda: self._build_spine_plan(
+            batch, attn_metadata, isa, dtype, device))
+
+    def _build_spine_plan(self, batch, attn_metadata, isa, dtype, device):
+        # Plain Python: a handful of numbers per request, where each torch / numpy op costs µs.
+        _, need = self._checked_off_spine(batch, attn_metadata)
+        qsl = attn_metadata.query_start_loc.tolist()
+        seq_lens = attn_metadata.seq_lens.tolist()
+        lens = [hi - lo for lo, hi in zip(qsl, qsl[1:])]
+        first_cut = len(lens)
+        for req, count in zip(batch.requests, need.sum(1).tolist()):
+            b = req.batch_index
+            # Only a tree that ends its request's query: later rows would lose keys.
+            if count and req.query_start + req.num_rows == qsl[b + 1]:
+                lens[b] -= count
+                seq_lens[b] -= count
+                first_cut = min(first_cut, b)
+        if first_cut == len(lens):
+            return None
+        new_qsl = [0, *itertools.accumulate(lens)]
+        if first_cut < len(lens) - 1:  # rows of later requests move down
+            shift = np.repeat(np.subtract(qsl[:-1], new_qsl[:-1]), lens)
+            keep = torch.from_numpy(np.arange(new_qsl[-1]) + shift).to(device)
+        else:  # only the last request is cut: its kept rows and all before are a prefix
+            keep = None
+        query_start_loc = torch.tensor(new_qsl, dtype=attn_metadata.query_start_loc.dtype,
+                                       device=attn_metadata.query_start_loc.device)
+        seq_lens_t = torch.tensor(seq_lens, dtype=attn_metadata.seq_lens.dtype,
+                                  device=attn_metadata.seq_lens.device)
+        metadata = dataclasses.replace(
+            attn_metadata, num_actual_tokens=new_qsl[-1], max_query_len=max(lens),
+            query_start_loc=query_start_loc, seq_lens=seq_lens_t, max_seq_len=max(seq_lens),
+            scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=len(lens), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_size, seq_lens=seq_lens_t, dtype=dtype,
+                query_start_loc=query_start_loc, causal=attn_metadata.causal,
+                sliding_window_size=-1, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+                dynamic_causal=attn_metadata.dynamic_causal, kv_cache_dtype=self.kv_cache_dtype,
+            ),
+        )
+        return _SpinePlan(metadata=metadata, keep=keep)
 
     def _refuse_unsupported_tree_features(self, attn_metadata: CPUAttentionMetadata) -> None:
         unsupported = []
@@ -505,17 +614,7 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
             raise ValueError(f"kv_cache {tuple(kv_cache.shape)} does not fit {self.num_kv_heads} "
                              f"KV heads of {self.head_size}")
         _check_layout_supported(isa, kv_cache.dtype, block_size, head_size)
-        query_start_loc = attn_metadata.query_start_loc.tolist()
-        seq_lens = attn_metadata.seq_lens.tolist()
-        dynamic_causal = attn_metadata.dynamic_causal
-        for req in batch.requests:
-            self._check_request(req, query_start_loc, seq_lens, attn_metadata.num_actual_tokens)
-            if dynamic_causal is not None and not bool(dynamic_causal[req.batch_index]):
-                raise NotImplementedError(
-                    "DDTree tree attention on CPU does not support non-causal attention on tree "
-                    f"rows (request {req.batch_index})"
-                )
-        a, need = _padded_off_spine([req.ancestor_mask for req in batch.requests])
+        a, need = self._checked_off_spine(batch, attn_metadata)
         count = need.sum(1)
         todo = count.nonzero()[0]
         if todo.size == 0:
@@ -681,19 +780,11 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
             batch, attn_metadata, isa, dtype, device))
 
     def _build_wave_plan(self, batch, attn_metadata, isa, dtype, device) -> "_WavePlan | None":
-        query_start_loc = attn_metadata.query_start_loc.tolist()
-        seq_lens = attn_metadata.seq_lens.tolist()
-        dynamic_causal = attn_metadata.dynamic_causal
+        self._checked_off_spine(batch, attn_metadata)
         slots_all = attn_metadata.slot_mapping.to("cpu")
         todo: list[tuple[TreeAttentionRequest, int, list[list[int]]]] = []
         local = 0  # offset of the request's rows in the concatenated tree K/V (shared-KV layers)
         for req in batch.requests:
-            self._check_request(req, query_start_loc, seq_lens, attn_metadata.num_actual_tokens)
-            if dynamic_causal is not None and not bool(dynamic_causal[req.batch_index]):
-                raise NotImplementedError(
-                    "DDTree tree attention on CPU does not support non-causal attention on tree "
-                    f"rows (request {req.batch_index})"
-                )
             paths = tree_chains(req.ancestor_mask)
             if paths:
                 todo.append((req, local, paths))
@@ -750,6 +841,30 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
             restore_slots=torch.tensor(slots, dtype=attn_metadata.slot_mapping.dtype,
                                        device=device),
         )
+
+    def _checked_off_spine(self, batch: TreeAttentionBatch,
+                           attn_metadata: CPUAttentionMetadata) -> tuple[np.ndarray, np.ndarray]:
+        """Every tree request checked against ``attn_metadata``, then :func:`_padded_off_spine`
+        of their masks (``(A, need)``, rows in ``batch.requests`` order); once per metadata
+        object, shared by the step's plans.
+
+        Raises:
+            ValueError / NotImplementedError: see :meth:`forward`.
+        """
+        def build():
+            query_start_loc = attn_metadata.query_start_loc.tolist()
+            seq_lens = attn_metadata.seq_lens.tolist()
+            dynamic_causal = attn_metadata.dynamic_causal
+            for req in batch.requests:
+                self._check_request(req, query_start_loc, seq_lens,
+                                    attn_metadata.num_actual_tokens)
+                if dynamic_causal is not None and not bool(dynamic_causal[req.batch_index]):
+                    raise NotImplementedError(
+                        "DDTree tree attention on CPU does not support non-causal attention on "
+                        f"tree rows (request {req.batch_index})"
+                    )
+            return _padded_off_spine([req.ancestor_mask for req in batch.requests])
+        return _cached_plan(batch, attn_metadata, ("cpu_off_spine",), build)
 
     @staticmethod
     def _check_request(
