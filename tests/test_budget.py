@@ -342,7 +342,8 @@ def test_controller_learns_the_cost_online_and_reaches_the_optimum(name, step_co
                                                                     row_multiple):
     ctl = _simulate(step_cost, row_multiple=row_multiple)
     rows = sum(1 + b for b in ctl.stats.last_budgets)
-    assert rows % row_multiple == 0 or rows in (4, 130)  # the grid, the chain or every node
+    # the grid (min(row_multiple, requests)), the chain or every node
+    assert rows % min(row_multiple, 2) == 0 or rows in (4, 130)
     # What the controller would choose knowing the true reach probabilities and cost.
     truth = [0.5 * geometric(0.97)] * 2
     best = allocate_budgets(truth, step_cost, 64)
@@ -627,12 +628,37 @@ def test_controller_probes_on_the_grid():
     ctl = BudgetController(64, cost=StepCostModel(prior_intercept=0.01, prior_slope=0.0002),
                            probe_every=2, row_multiple=8)
     plp = torch.cat((torch.zeros(1), torch.log(geometric(0.9, 64)).float()))
+    ids = [f"r{i}" for i in range(8)]
     sizes = []
     for _ in range(4):
-        budgets = ctl.allocate(["a", "b"], [plp, plp])
+        budgets = ctl.allocate(ids, [plp] * 8)
         sizes.append(sum(1 + b for b in budgets))
     assert all(r % 8 == 0 for r in sizes)
     assert sizes[1] > sizes[0] > sizes[3]  # step 2 doubles, step 4 halves; steps 1, 3 plain
+
+
+@pytest.mark.parametrize("num_reqs, grid", [(1, 1), (2, 2), (3, 3), (9, 8)])
+def test_controller_grid_is_the_batch_below_row_multiple(num_reqs, grid):
+    """Below ``row_multiple`` requests the grid is the batch size: at batch 1 a grid of 8 left
+    only B = 7, 15, 23, ... (and the best fixed budget on the shipped pair is B = 16). The
+    choice is the best step on that grid (``allocate_budgets``, brute-forced above), here off
+    the grid of 8 and off the free optimum where the grid is wider than one row."""
+    reach = [0.9, 0.8, 0.85, 0.7, 0.95, 0.75, 0.88, 0.6, 0.82][:num_reqs]
+    cost = lambda rows: 0.0101 + 0.0001 * rows  # noqa: E731
+    ctl = BudgetController(40, cost=StepCostModel(prior_intercept=0.0101, prior_slope=0.0001),
+                           probe_every=0, row_multiple=8)
+    plps = [torch.cat((torch.zeros(1), torch.log(geometric(r, 40)).float())) for r in reach]
+    budgets = ctl.allocate([f"r{i}" for i in range(num_reqs)], plps)
+    rows = sum(1 + b for b in budgets)
+    # The values the controller allocates on: the calibrator's (its prior, here).
+    values = [marginal_values(p, ctl.calibrator) for p in plps]
+    want = allocate_budgets(values, cost, 40, row_multiple=grid)
+    assert budgets == want.budgets and rows == want.tokens and rows % grid == 0
+    free = allocate_budgets(values, cost, 40)
+    if grid == 1:
+        assert budgets == free.budgets and rows % 8, "off the 8-row grid, or the test is blunt"
+    else:
+        assert free.tokens % grid, "the free optimum lies off the grid, or the test is blunt"
 
 
 def test_first_step_of_each_size_is_not_timed():

@@ -56,10 +56,11 @@ __all__ = [
 
 logger = logging.getLogger("vllm.ddtree")
 
-#: The row grid an engine's controller allocates on (``BudgetController(row_multiple=...)``):
-#: on the shipped pair (CPU) it cuts the distinct step sizes of a batch of 8 from ~500 to ~65,
-#: each of which costs several ms more the first time; a multiple of 8 is also where vLLM's CUDA
-#: graph capture sizes lie beyond 8.
+#: The row grid an engine's controller allocates on (``BudgetController(row_multiple=...)``),
+#: for batches of at least this many requests; a batch of ``n`` fewer requests uses a grid of
+#: ``n`` (:meth:`BudgetController.allocate`). On the shipped pair (CPU) it cuts the distinct step
+#: sizes of a batch of 8 from ~500 to ~65, each of which costs several ms more the first time; a
+#: multiple of 8 is also where vLLM's CUDA graph capture sizes lie beyond 8.
 ENGINE_ROW_MULTIPLE = 8
 
 
@@ -754,11 +755,11 @@ class BudgetController:
     another size is as exact as any other, and without it a controller that always picks the
     same size never learns what other sizes cost.
 
-    Steps verify a multiple of ``row_multiple`` rows (:func:`allocate_budgets`), and the first
-    step of each ``(rows, requests)`` is not timed (:meth:`step_finished`): a size's first step
-    pays one-time costs (oneDNN primitives per row count on a CPU, a new GEMM shape in every
-    linear layer: several ms a step on the shipped pair), which read as a steep or negative
-    slope.
+    Steps verify a multiple of ``min(row_multiple, requests)`` rows (:func:`allocate_budgets`),
+    and the first step of each ``(rows, requests)`` is not timed (:meth:`step_finished`): a
+    size's first step pays one-time costs (oneDNN primitives per row count on a CPU, a new GEMM
+    shape in every linear layer: several ms a step on the shipped pair), which read as a steep or
+    negative slope.
 
     Attributes:
         max_budget: ``B_max``.
@@ -777,8 +778,12 @@ class BudgetController:
         probe_every: allocations between probes (0: never).
         min_spread: the :meth:`StepCostModel.spread` below which probes run.
         figures: the metrics sink (:attr:`figures`).
-        row_multiple: the row grid of :func:`allocate_budgets` (1: every row count); the runner
-            adapters pass :data:`ENGINE_ROW_MULTIPLE`.
+        row_multiple: the row grid of :func:`allocate_budgets` (1: every row count) for a
+            batch of at least ``row_multiple`` requests; a batch of ``n`` fewer requests uses a
+            grid of ``n``, which keeps its distinct step sizes to about ``B_max`` (as many as a
+            batch of 1 has without a grid): at batch 1 a grid of 8 allowed only B = 7, 15,
+            23, ... and the best fixed budget on the shipped pair is B = 16. The runner adapters
+            pass :data:`ENGINE_ROW_MULTIPLE`.
 
     Raises:
         ValueError: ``max_budget`` < 1, ``row_multiple`` < 1 or a bad probe setting.
@@ -867,7 +872,7 @@ class BudgetController:
         alloc = _allocate(values, lambda rows: intercept + slope * rows, self.max_budget,
                           token_budget,
                           _check_int("extra_tokens", extra_tokens, 0), self.drafter_seconds,
-                          self.row_multiple, probe, weights)
+                          min(self.row_multiple, num), probe, weights)
         budgets = alloc.budgets if alloc.probe_budgets is None else alloc.probe_budgets
         if self.agree is not None:
             budgets = [int(b) for b in self.agree(list(budgets))]
