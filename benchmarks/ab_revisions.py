@@ -1,7 +1,7 @@
 """A/B of two revisions of the plugin end to end, interleaved: the working tree against a git rev.
 
-Each configuration (target-only ``AR``, vLLM's ``DFlash`` chain, DDTree ``B=<n>``) runs on the
-shipped trained pair in a fresh process per revision, alternating old/new (and the order within
+Each configuration (target-only ``AR``, vLLM's ``DFlash`` chain, DDTree ``B=<n>`` or ``auto``)
+runs on the shipped trained pair in a fresh process per revision, alternating old/new (and the order within
 a round), so both revisions see the same machine load; medians over ``--rounds``. The old
 revision is checked out once into a detached git worktree under ``/tmp`` and put first on
 ``PYTHONPATH`` (so its ``vllm_ddtree`` is the one vLLM's plugin entry point imports). Prints a
@@ -57,8 +57,10 @@ def child(args) -> int:
         spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": 15}
     elif name.startswith("B="):
         spec = {"method": "ddtree", "model": drafter, "ddtree_budget": int(name[2:])}
+    elif name == "auto":
+        spec = {"method": "ddtree", "model": drafter, "ddtree_budget": "auto"}
     elif name != "AR":
-        raise SystemExit(f"unknown config {name!r} (AR, DFlash or B=<n>)")
+        raise SystemExit(f"unknown config {name!r} (AR, DFlash, B=<n> or auto)")
     llm = make_llm(target, **({"speculative_config": spec} if spec else {}))
     engine, steps = llm.llm_engine, []
     step = engine.step

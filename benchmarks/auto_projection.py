@@ -131,9 +131,10 @@ def replay_fixed(records, b: int, t) -> dict:
 
 
 def replay_auto(records, max_budget: int, t, warmup_passes: int = 1) -> dict:
-    from vllm_ddtree.budget import ENGINE_ROW_MULTIPLE, BudgetController
+    from vllm_ddtree.budget import ENGINE_ROW_MULTIPLE, ENGINE_SIZES_PER_OCTAVE, BudgetController
 
-    ctl = BudgetController(max_budget, row_multiple=ENGINE_ROW_MULTIPLE)
+    ctl = BudgetController(max_budget, row_multiple=ENGINE_ROW_MULTIPLE,
+                           sizes_per_octave=ENGINE_SIZES_PER_OCTAVE)
     for _ in range(warmup_passes):  # as the engine benchmark's warm-up: not counted
         _replay_auto_pass(ctl, records, t)
     return _replay_auto_pass(ctl, records, t)

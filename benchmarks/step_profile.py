@@ -5,8 +5,11 @@ engine) once at batch 1 to warm up and once under ``cProfile`` (``--batch`` prom
 of a step by the cumulative time of the functions that do them (ms per engine step):
 
 - **target forward**: vLLM's ``GPUModelRunner._model_forward`` (the target's verification forward,
-  tree attention included); **tree attention**: the plugin's recomputation of off-spine tree rows
-  inside it (``DDTreeCPUAttentionImpl``);
+  tree attention included); **attention**: every attention layer's whole forward, the target's and the
+  drafter's (vLLM's ``CPUAttentionBackendImpl.forward``, or the plugin's
+  ``DDTreeCPUAttentionImpl.forward``: vLLM's kernel over the spine rows plus the tree rows), the
+  column to compare across configurations;
+  **tree attention**: the plugin's recomputation of the off-spine tree rows inside it;
 - **drafter**: ``GPUModelRunner.propose_draft_token_ids`` (the DFlash forward, plus tree building
   for DDTree); **tree build**: the plugin's best-first trees inside it;
 - **sampling / verification**: ``GPUModelRunner._sample`` (vLLM's sampler or rejection sampler;
@@ -39,6 +42,8 @@ _RUNNER = "vllm/v1/worker/gpu_model_runner.py"
 #: public method around its private one) or exclude each other (fp32 vs bf16 tree attention).
 PARTS = {
     "target forward": [(_RUNNER, "_model_forward")],
+    "attention": [("vllm/v1/attention/backends/cpu_attn.py", "forward"),
+                  ("vllm_ddtree/attention/cpu.py", "forward")],
     "tree attention": [("vllm_ddtree/attention/cpu.py", "_attend_tree_rows_at_once"),
                        ("vllm_ddtree/attention/cpu.py", "_overwrite_tree_rows")],
     "drafter": [(_RUNNER, "propose_draft_token_ids")],

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from vllm_ddtree.budget import (
+    ENGINE_ROW_MULTIPLE,
+    ENGINE_SIZES_PER_OCTAVE,
     AcceptanceCalibrator,
     BudgetController,
     StepCostModel,
@@ -603,6 +605,54 @@ def test_allocation_keeps_to_the_row_grid():
     assert allocate_budgets(values, cpu_like, 20, row_multiple=8).budgets == [1, 1, 1]
     with pytest.raises(ValueError, match="row_multiple"):
         allocate_budgets(values, cost, 20, row_multiple=0)
+
+
+#: Rows a quarter-octave ladder allows on a grid of one row (sizes_per_octave=4), written out.
+LADDER_4 = [*range(1, 8), 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128]
+
+
+@pytest.mark.parametrize("grid", [1, 3])
+def test_allocation_keeps_to_the_ladder(grid):
+    """With ``sizes_per_octave`` the step verifies a size of the geometric ladder on the grid
+    (1 … 7 grid units, then 8, 10, 12, 14, 16, 20, ...), or one node per request, or every
+    candidate; the choice is the best such step (brute force over every split)."""
+    values = [geometric(0.93, 40), geometric(0.85, 40)]
+    cost = lambda rows: 0.01 + 0.00012 * rows  # noqa: E731
+    allowed = {grid * u for u in LADDER_4}
+    free = allocate_budgets(values, cost, 40, row_multiple=grid)
+    assert free.tokens not in allowed, "the grid's optimum lies on the ladder: a blunt test"
+    a = allocate_budgets(values, cost, 40, row_multiple=grid, sizes_per_octave=4)
+    rows = sum(1 + b for b in a.budgets)
+    assert rows == a.tokens and rows in allowed
+    best = max(_rate(values, split, cost)
+               for split in itertools.product(range(1, 41), repeat=2)
+               if sum(1 + b for b in split) in allowed or sum(split) in (2, 80))
+    assert _rate(values, a.budgets, cost) == pytest.approx(best, rel=1e-12)
+    # 0 is every multiple of the grid; the ends stay reachable.
+    assert allocate_budgets(values, cost, 40, row_multiple=grid, sizes_per_octave=0) == free
+    assert allocate_budgets(values, flat, 40, sizes_per_octave=4).budgets == [40, 40]
+    steep = lambda rows: 0.002 + 0.04 * rows  # noqa: E731
+    assert allocate_budgets(values, steep, 40, sizes_per_octave=4).budgets == [1, 1]
+    for bad in (3, -1, 2.0):
+        with pytest.raises(ValueError, match="sizes_per_octave"):
+            allocate_budgets(values, cost, 40, sizes_per_octave=bad)
+        with pytest.raises(ValueError, match="sizes_per_octave"):
+            BudgetController(40, sizes_per_octave=bad)
+
+
+def test_controller_allocates_on_its_ladder():
+    """The engine's controller (grid min(8, requests), :data:`ENGINE_SIZES_PER_OCTAVE`) at
+    batch 1 chooses the best ladder size, which here is not the free optimum."""
+    cost = lambda rows: 0.0101 + 0.00012 * rows  # noqa: E731
+    ctl = BudgetController(40, cost=StepCostModel(prior_intercept=0.0101, prior_slope=0.00012),
+                           probe_every=0, row_multiple=ENGINE_ROW_MULTIPLE,
+                           sizes_per_octave=ENGINE_SIZES_PER_OCTAVE)
+    plp = torch.cat((torch.zeros(1), torch.log(geometric(0.93, 40)).float()))
+    (b,) = ctl.allocate(["r0"], [plp])
+    values = [marginal_values(plp, ctl.calibrator)]
+    free = allocate_budgets(values, cost, 40)
+    assert 1 + b in LADDER_4 and free.tokens not in LADDER_4
+    assert [b] == allocate_budgets(values, cost, 40, sizes_per_octave=4).budgets
 
 
 @pytest.mark.parametrize("probe, lo, hi", [(2.0, 1.5, 2.5), (0.5, 0.3, 0.7)])

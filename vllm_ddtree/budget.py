@@ -49,6 +49,7 @@ __all__ = [
     "Allocation",
     "BudgetController",
     "ENGINE_ROW_MULTIPLE",
+    "ENGINE_SIZES_PER_OCTAVE",
     "StepCostModel",
     "allocate_budgets",
     "marginal_values",
@@ -62,6 +63,16 @@ logger = logging.getLogger("vllm.ddtree")
 #: sizes of a batch of 8 from ~500 to ~65, each of which costs several ms more the first time; a
 #: multiple of 8 is also where vLLM's CUDA graph capture sizes lie beyond 8.
 ENGINE_ROW_MULTIPLE = 8
+
+#: Step sizes per doubling of the rows beyond ``2 ×`` this many grid units
+#: (``BudgetController(sizes_per_octave=...)``, :func:`allocate_budgets`): 4 allows 1 … 7 grid
+#: units, then 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ... Each new step size pays one-time
+#: costs (oneDNN builds a GEMM primitive per row count in every linear layer: on the 2-core
+#: AVX2 machine ≈ 1.5 ms each, ≈ 40 ms a new size on the shipped pair, most of a step); at
+#: batch 1 every row count had been allowed (up to 65 sizes) and a 5-round benchmark paid for
+#: several dozen. A quarter octave apart, neighbouring sizes differ by at most 25 % in rows,
+#: where the rate curve is flat (B = 8 … 32 within a few % on the pair).
+ENGINE_SIZES_PER_OCTAVE = 4
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -561,6 +572,7 @@ def allocate_budgets(
     row_multiple: int = 1,
     probe: float | None = None,
     weights: Sequence[float] | None = None,
+    sizes_per_octave: int = 0,
 ) -> Allocation:
     """Each request's node budget for one step, maximising expected committed tokens per second.
 
@@ -596,6 +608,10 @@ def allocate_budgets(
             oneDNN builds a GEMM primitive per new row count for every linear layer (≈ 0.5 ms
             each); on a GPU, kernels are tuned or graphs captured per size -- so a few sizes
             reused beat a new size every step.
+        sizes_per_octave: 0 (every multiple of ``row_multiple``) or a power of two ``s``: of
+            ``u = rows / row_multiple`` grid units, every ``u < 2 s`` and from there ``s``
+            sizes per doubling (``u`` a multiple of ``2 ** (floor(log2 u) + 1) / (2 s)``), a
+            geometric ladder like vLLM's CUDA graph capture sizes, for the same reason.
         probe: also choose :attr:`Allocation.probe_budgets` at about ``probe`` × the chosen
             rows (> 0), or ``None``.
         weights: per request, what one of its committed tokens is worth (finite, > 0; ``None``:
@@ -610,7 +626,7 @@ def allocate_budgets(
 
     Raises:
         ValueError: empty batch, a bad values tensor, ``max_budget`` < 1, ``row_multiple`` < 1,
-            ``probe`` not a positive number, ``weights`` not one positive finite number per
+            ``sizes_per_octave`` not 0 or a power of two, ``probe`` not a positive number, ``weights`` not one positive finite number per
             request, ``drafter_seconds`` not a number >= 0, a token
             budget too small for one node per request, or a cost that is not positive or not one
             value per row count.
@@ -623,6 +639,7 @@ def allocate_budgets(
     if token_budget is not None:
         _check_int("token_budget", token_budget, 1)
     _check_int("row_multiple", row_multiple, 1)
+    _check_sizes_per_octave(sizes_per_octave)
     if probe is not None:
         probe = _check_pos_float("probe", probe)
     drafter_seconds = _check_pos_float("drafter_seconds", drafter_seconds, allow_zero=True)
@@ -640,7 +657,27 @@ def allocate_budgets(
         return s
 
     return _allocate(vals, cost, max_budget, token_budget, extra_tokens, drafter_seconds,
-                     row_multiple, probe, _check_weights(weights, len(vals)))
+                     row_multiple, probe, _check_weights(weights, len(vals)), sizes_per_octave)
+
+
+def _check_sizes_per_octave(value: object) -> int:
+    v = _check_int("sizes_per_octave", value, 0)
+    if v & (v - 1):
+        raise ValueError(f"sizes_per_octave must be 0 or a power of two, got {v}")
+    return v
+
+
+def _on_ladder(rows: np.ndarray, row_multiple: int, sizes_per_octave: int) -> np.ndarray:
+    """Which ``rows`` (int64 array) :func:`allocate_budgets` may choose (its ``row_multiple``
+    and ``sizes_per_octave``)."""
+    on = rows % row_multiple == 0
+    if sizes_per_octave:
+        u = np.maximum(rows // row_multiple, 1)
+        # floor(log2 u) exactly, on integers (bit length - 1)
+        e = np.frexp(u.astype(np.float64))[1] - 1
+        step = np.left_shift(1, np.maximum(e + 1 - sizes_per_octave.bit_length(), 0))
+        on &= u % step == 0
+    return on
 
 
 def _check_weights(weights: Sequence[float] | None, num: int) -> np.ndarray | None:
@@ -654,7 +691,8 @@ def _check_weights(weights: Sequence[float] | None, num: int) -> np.ndarray | No
 
 def _allocate(vals: list[np.ndarray], cost, max_budget: int, token_budget: int | None,
               extra_tokens: int, drafter_seconds: float, row_multiple: int = 1,
-              probe: float | None = None, weights: np.ndarray | None = None) -> Allocation:
+              probe: float | None = None, weights: np.ndarray | None = None,
+              sizes_per_octave: int = 0) -> Allocation:
     # allocate_budgets on checked inputs: float64 arrays, ``cost`` from a float64 array of row
     # counts to positive seconds.
     num = len(vals)
@@ -679,7 +717,7 @@ def _allocate(vals: list[np.ndarray], cost, max_budget: int, token_budget: int |
     rows_k = np.arange(base_rows, base_rows + max_extra + 1, dtype=np.float64)
     seconds_k = cost(rows_k)
     rates = (base + gains) / seconds_k
-    allowed = rows_k.astype(np.int64) % row_multiple == 0
+    allowed = _on_ladder(rows_k.astype(np.int64), row_multiple, sizes_per_octave)
     allowed[0] = allowed[-1] = True  # one node each; every candidate (or the token budget)
     rates = np.where(allowed, rates, -np.inf)
     # The first maximum: among (near-)equal rates the smaller tree, which costs less if the
@@ -755,8 +793,8 @@ class BudgetController:
     another size is as exact as any other, and without it a controller that always picks the
     same size never learns what other sizes cost.
 
-    Steps verify a multiple of ``min(row_multiple, requests)`` rows (:func:`allocate_budgets`),
-    and the first step of each ``(rows, requests)`` is not timed (:meth:`step_finished`): a
+    Steps verify a multiple of ``min(row_multiple, requests)`` rows, on a ladder of
+    ``sizes_per_octave`` sizes per doubling (:func:`allocate_budgets`), and the first step of each ``(rows, requests)`` is not timed (:meth:`step_finished`): a
     size's first step pays one-time costs (oneDNN primitives per row count on a CPU, a new GEMM
     shape in every linear layer: several ms a step on the shipped pair), which read as a steep or
     negative slope.
@@ -784,16 +822,21 @@ class BudgetController:
             batch of 1 has without a grid): at batch 1 a grid of 8 allowed only B = 7, 15,
             23, ... and the best fixed budget on the shipped pair is B = 16. The runner adapters
             pass :data:`ENGINE_ROW_MULTIPLE`.
+        sizes_per_octave: the ladder on that grid (:func:`allocate_budgets`; 0: every
+            multiple). The runner adapters pass :data:`ENGINE_SIZES_PER_OCTAVE`.
 
     Raises:
-        ValueError: ``max_budget`` < 1, ``row_multiple`` < 1 or a bad probe setting.
+        ValueError: ``max_budget`` < 1, ``row_multiple`` < 1, ``sizes_per_octave`` not 0 or
+            a power of two, or a bad probe setting.
     """
 
     def __init__(self, max_budget: int, calibrator: AcceptanceCalibrator | None = None,
                  cost: StepCostModel | None = None, probe_every: int = 16,
-                 min_spread: float = 1.5, figures: Any = None, row_multiple: int = 1):
+                 min_spread: float = 1.5, figures: Any = None, row_multiple: int = 1,
+                 sizes_per_octave: int = 0):
         self.max_budget = _check_int("max_budget", max_budget, 1)
         self.row_multiple = _check_int("row_multiple", row_multiple, 1)
+        self.sizes_per_octave = _check_sizes_per_octave(sizes_per_octave)
         self.calibrator = calibrator or AcceptanceCalibrator()
         self.cost = cost or StepCostModel()
         self.probe_every = _check_int("probe_every", probe_every, 0)
@@ -872,7 +915,7 @@ class BudgetController:
         alloc = _allocate(values, lambda rows: intercept + slope * rows, self.max_budget,
                           token_budget,
                           _check_int("extra_tokens", extra_tokens, 0), self.drafter_seconds,
-                          min(self.row_multiple, num), probe, weights)
+                          min(self.row_multiple, num), probe, weights, self.sizes_per_octave)
         budgets = alloc.budgets if alloc.probe_budgets is None else alloc.probe_budgets
         if self.agree is not None:
             budgets = [int(b) for b in self.agree(list(budgets))]

@@ -21,7 +21,7 @@ import torch
 
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.budget import ENGINE_ROW_MULTIPLE, BudgetController
+from vllm_ddtree.budget import ENGINE_ROW_MULTIPLE, ENGINE_SIZES_PER_OCTAVE, BudgetController
 from vllm_ddtree.config import DDTreeConfig, count_prefixes, get_ddtree_config
 from vllm_ddtree.metrics import WorkerFigures
 from vllm_ddtree.shadow import ShadowAcceptance
@@ -91,7 +91,8 @@ class DDTreeProposer(DFlashProposer):
             )
         self.controller: BudgetController | None = (
             BudgetController(ddtree.budget, figures=self.ddtree_figures,
-                             row_multiple=ENGINE_ROW_MULTIPLE)
+                             row_multiple=ENGINE_ROW_MULTIPLE,
+                             sizes_per_octave=ENGINE_SIZES_PER_OCTAVE)
             if ddtree.auto_budget and self.shadow is None
             else None)
         if self.controller is not None:

@@ -46,7 +46,7 @@ from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-from vllm_ddtree.budget import ENGINE_ROW_MULTIPLE, BudgetController
+from vllm_ddtree.budget import ENGINE_ROW_MULTIPLE, ENGINE_SIZES_PER_OCTAVE, BudgetController
 from vllm_ddtree.config import DDTreeConfig, DDTreeConfigError, count_prefixes, get_ddtree_config
 from vllm_ddtree.metrics import WorkerFigures
 from vllm_ddtree.shadow import ShadowAcceptance
@@ -122,7 +122,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         #: ``adaptive_verification``).
         self.controller: BudgetController | None = (
             BudgetController(ddtree.budget, figures=self.ddtree_figures,
-                             row_multiple=ENGINE_ROW_MULTIPLE)
+                             row_multiple=ENGINE_ROW_MULTIPLE,
+                             sizes_per_octave=ENGINE_SIZES_PER_OCTAVE)
             if ddtree.auto_budget else None)
         if self.controller is not None:
             from vllm_ddtree.runners import rank_agreement
