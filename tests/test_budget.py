@@ -358,9 +358,13 @@ def test_controller_learns_the_cost_online_and_reaches_the_optimum(name, step_co
         assert ctl.cost.coefficients() == pytest.approx((0.01, 0.002), rel=0.05)
     else:
         assert got == [1, 1] and ctl.chain_fallback and not ctl.speculation_pays
-    # Calibration learned that the drafter is over-confident (reach 0.5 * q).
+    # Calibration learned that the drafter is over-confident (reach 0.5 * q). At the CPU-like
+    # cost the trees are chains after the first probes, so the top bucket (q in (0.5, 1]) holds
+    # mostly the few early large trees' nodes, which share one accepted depth per tree: a
+    # looser bound there.
     q = torch.tensor([0.97 ** 2])
-    assert float(ctl.calibrator.calibrate(q)[0]) == pytest.approx(0.5 * 0.97 ** 2, abs=0.08)
+    tol = 0.08 if name != "cpu" else 0.15
+    assert float(ctl.calibrator.calibrate(q)[0]) == pytest.approx(0.5 * 0.97 ** 2, abs=tol)
     # Predicted vs observed accepted drafts (what the metrics report) agree once calibrated.
     s = ctl.stats
     assert s.trees == 400 and s.observed_accepted > 0
@@ -431,10 +435,10 @@ def test_build_cap_follows_the_last_allocation():
     assert ctl.build_cap() == 32
     ctl.stats.last_budgets = [50]
     assert ctl.build_cap() == 64
-    ctl.probe_every = 4  # the next allocation (step 4) is a doubling probe
-    ctl.stats.steps, ctl.stats.last_budgets = 3, [20]
+    ctl.probe_every = 4  # the next allocation (step 8) is a doubling probe
+    ctl.stats.steps, ctl.stats.last_budgets = 7, [20]
     assert ctl.build_cap() == 40
-    ctl.stats.steps = 7  # step 8: a halving probe
+    ctl.stats.steps = 3  # step 4: a halving probe
     assert ctl.build_cap() == 30
 
 
@@ -452,7 +456,8 @@ def test_build_caps_follow_each_request_s_last_budget():
     assert budgets[0] <= 4 < 21 <= budgets[1]
     want_b = min(64, -(-3 * budgets[1] // 2))
     assert ctl.build_caps(["a", "b", "c"]) == [8, want_b, max(8, want_b)]
-    ctl.probe_every = ctl.stats.steps + 1  # the next allocation is a doubling probe
+    ctl.probe_every = (ctl.stats.steps + 1) // 2  # the next allocation is a doubling probe
+    assert ctl.stats.steps + 1 == 2 * ctl.probe_every
     assert ctl.build_caps(["b"]) == [min(64, 2 * budgets[1])]
     ctl.forget({"b"})
     assert ctl.build_caps(["a"]) == [ctl.build_cap()]
@@ -684,7 +689,7 @@ def test_controller_probes_on_the_grid():
         budgets = ctl.allocate(ids, [plp] * 8)
         sizes.append(sum(1 + b for b in budgets))
     assert all(r % 8 == 0 for r in sizes)
-    assert sizes[1] > sizes[0] > sizes[3]  # step 2 doubles, step 4 halves; steps 1, 3 plain
+    assert sizes[3] > sizes[0] > sizes[1]  # step 2 halves, step 4 doubles; steps 1, 3 plain
 
 
 @pytest.mark.parametrize("num_reqs, grid", [(1, 1), (2, 2), (3, 3), (9, 8)])
@@ -725,6 +730,31 @@ def test_first_step_of_each_size_is_not_timed():
     # (16, 1) first at step 1, (24, 1) at 3, (16, 2) at 5: not timed; step 8 follows a gap.
     assert obs == {1: [(16.0, 1.0, 0.01), (24.0, 1.0, 0.01), (16.0, 1.0, 0.01),
                        (24.0, 1.0, 0.01)]}
+
+
+def test_a_probe_of_a_new_size_is_repeated_so_a_new_engine_learns_its_cost():
+    """A new engine starts GPU-like (prior slope 0: ``B_max``-node trees) and must learn a
+    CPU-like slope from probes; a probe's first step at a new size is not timed, so it is
+    repeated at the next allocation, and the first probe halves. Before, the first probe
+    (allocation 16) doubled, which cannot grow a ``B_max`` tree, the halving one (32) taught
+    nothing, and the trees only shrank after allocation 64 (measured on the shipped pair: ~60
+    steps of B = 64 at batch 1)."""
+    ctl = BudgetController(64, probe_every=16, row_multiple=ENGINE_ROW_MULTIPLE,
+                           sizes_per_octave=ENGINE_SIZES_PER_OCTAVE)
+    plp = torch.cat((torch.zeros(1), torch.log(geometric(0.9, 64)).float()))
+    cost = lambda rows: 0.01 + 0.0003 * rows  # noqa: E731
+    now, rows, seen, sizes = 0.0, 0, set(), []
+    for i in range(24):
+        ctl.step_finished(i, rows, 1, now)
+        (b,) = ctl.allocate(["r0"], [plp])
+        rows = 1 + b
+        sizes.append(rows)
+        now += cost(rows) + (0.04 if rows not in seen else 0.0)  # a new size's one-time cost
+        seen.add(rows)
+    assert sizes[:15] == [65] * 15 and sizes[15] == sizes[16] < 65, sizes  # probe, repeated
+    truth = allocate_budgets([marginal_values(plp, ctl.calibrator)], cost, 64,
+                             sizes_per_octave=4)
+    assert sizes[-1] == truth.tokens < 65, sizes  # then the best size for the true cost
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -789,9 +789,13 @@ class BudgetController:
 
     While the window of step sizes is too narrow to identify the cost slope (:meth:
     `StepCostModel.spread` < ``min_spread``), every ``probe_every``-th allocation is a step of
-    about half or twice the rows (alternately; the most valuable nodes at that total): a step of
+    about half or twice the rows (alternately, halving first; the most valuable nodes at that
+    total): a step of
     another size is as exact as any other, and without it a controller that always picks the
-    same size never learns what other sizes cost.
+    same size never learns what other sizes cost. A probe whose size is new is repeated at the
+    next allocation: its first step is not timed (below), so without the repeat the first
+    probes taught nothing and a new engine at batch 1 verified ``B_max``-node trees for ~60
+    steps (measured on the shipped pair) before two timed sizes existed.
 
     Steps verify a multiple of ``min(row_multiple, requests)`` rows, on a ladder of
     ``sizes_per_octave`` sizes per doubling (:func:`allocate_budgets`), and the first step of each ``(rows, requests)`` is not timed (:meth:`step_finished`): a
@@ -858,6 +862,11 @@ class BudgetController:
         #: ``(rows, requests)`` of the steps :meth:`step_finished` has seen (their first is
         #: not timed).
         self._sizes_seen: set[tuple[int, int]] = set()
+        #: The direction of the last allocation's probe (True doubling), None if it was none.
+        self._last_probe: bool | None = None
+        #: A probe direction to repeat at the next allocation (:meth:`step_finished` skipped
+        #: the probe's step, its size's first), or None.
+        self._repeat_probe: bool | None = None
         #: ``budgets -> budgets`` applied to every allocation, or ``None``. Under tensor
         #: parallelism every rank builds the same trees and must verify the same sizes, but each
         #: rank times its own steps, so the cost models (and the sizes) can differ; the runner
@@ -909,8 +918,12 @@ class BudgetController:
             weights = left / left.mean() if num > 1 else None  # one request: a weight of 1
         self.stats.steps += 1
         up = self._probe_up(self.stats.steps)
+        if up is None:
+            up = self._repeat_probe
+        self._repeat_probe = None
         probe = (2.0 if up else 0.5) if (
             up is not None and self.cost.spread(num) < self.min_spread) else None
+        self._last_probe = None if probe is None else up
         intercept, slope = self.cost.coefficients(num)
         alloc = _allocate(values, lambda rows: intercept + slope * rows, self.max_budget,
                           token_budget,
@@ -1052,11 +1065,13 @@ class BudgetController:
         return caps
 
     def _probe_up(self, step: int) -> bool | None:
-        """Allocation ``step`` (1-based) may be a probe: True doubling, False halving (they
-        alternate every ``probe_every`` steps); None: not a probe step."""
+        """Allocation ``step`` (1-based) may be a probe: False halving, True doubling (they
+        alternate every ``probe_every`` steps, halving first: a new engine starts at
+        ``B_max``-node trees, its prior slope being 0, where a doubling probe cannot grow);
+        None: not a probe step."""
         if not self.probe_every or step % self.probe_every:
             return None
-        return (step // self.probe_every) % 2 == 1
+        return (step // self.probe_every) % 2 == 0
 
     def observe_drafter(self, seconds: float) -> None:
         """Record one step's drafting wall time (seconds > 0: the drafter pass and the tree
@@ -1106,7 +1121,7 @@ class BudgetController:
         between is not cost) and the step was decode-only (``rows > 0``; the caller passes 0 for
         steps with prefill chunks, which cost far less per row than tree nodes). The first step
         of each ``(rows, requests)`` is not observed (its one-time costs are not what the size
-        costs from then on).
+        costs from then on); if that step was a probe, the next allocation repeats the probe.
 
         Args:
             step_index: the runner's count of prepared steps (``None``: unknown, not timed).
@@ -1122,6 +1137,8 @@ class BudgetController:
                 self.observe_step(rows, now - last[1], requests)
             else:  # a size's first step pays one-time costs (see the class docstring)
                 self._sizes_seen.add(size)
+                # that step taught the cost model nothing: repeat it if it was a probe
+                self._repeat_probe = self._last_probe
 
     def forget(self, live_req_ids: set[str]) -> None:
         """Drop predictions and last budgets of requests that are gone."""
