@@ -1,8 +1,9 @@
 """A/B of two revisions of the plugin end to end, interleaved: the working tree against a git rev.
 
 Each configuration (target-only ``AR``, vLLM's ``DFlash`` chain, DDTree ``B=<n>`` or ``auto``)
-runs on the shipped trained pair in a fresh process per revision, alternating old/new (and the order within
-a round), so both revisions see the same machine load; medians over ``--rounds``. The old
+runs on the shipped trained pair in a fresh process per revision, alternating old/new (and the
+order within a round), so both revisions see the same machine load; medians over ``--rounds``
+(each process is new, so ``auto`` pays its first steps and each new step size every round). The old
 revision is checked out once into a detached git worktree under ``/tmp`` and put first on
 ``PYTHONPATH`` (so its ``vllm_ddtree`` is the one vLLM's plugin entry point imports). Prints a
 markdown table: tokens/s and ms per engine step of both, new / old, and whether both revisions

@@ -1,15 +1,16 @@
 """Where an engine step's time goes: target-only vs vLLM's DFlash chain vs DDTree, profiled.
 
 Runs each configuration on the shipped trained pair (greedy, held-out prompts, in-process
-engine) once at batch 1 to warm up and once under ``cProfile`` (``--batch`` prompts per call), then splits the profiled pass into the parts
-of a step by the cumulative time of the functions that do them (ms per engine step):
+engine) once at batch 1 to warm up and once under ``cProfile`` (``--batch`` prompts per call),
+then splits the profiled pass into the parts of a step by the cumulative time of the functions
+that do them (ms per engine step):
 
-- **target forward**: vLLM's ``GPUModelRunner._model_forward`` (the target's verification forward,
-  tree attention included); **attention**: every attention layer's whole forward, the target's and the
-  drafter's (vLLM's ``CPUAttentionBackendImpl.forward``, or the plugin's
+- **target forward**: vLLM's ``GPUModelRunner._model_forward`` (the target's verification
+  forward, tree attention included); **attention**: every attention layer's whole forward, the
+  target's and the drafter's (vLLM's ``CPUAttentionBackendImpl.forward``, or the plugin's
   ``DDTreeCPUAttentionImpl.forward``: vLLM's kernel over the spine rows plus the tree rows), the
-  column to compare across configurations;
-  **tree attention**: the plugin's recomputation of the off-spine tree rows inside it;
+  column to compare across configurations; **tree attention**: the plugin's recomputation of
+  the off-spine tree rows inside it;
 - **drafter**: ``GPUModelRunner.propose_draft_token_ids`` (the DFlash forward, plus tree building
   for DDTree); **tree build**: the plugin's best-first trees inside it;
 - **sampling / verification**: ``GPUModelRunner._sample`` (vLLM's sampler or rejection sampler;

@@ -626,10 +626,10 @@ def allocate_budgets(
 
     Raises:
         ValueError: empty batch, a bad values tensor, ``max_budget`` < 1, ``row_multiple`` < 1,
-            ``sizes_per_octave`` not 0 or a power of two, ``probe`` not a positive number, ``weights`` not one positive finite number per
-            request, ``drafter_seconds`` not a number >= 0, a token
-            budget too small for one node per request, or a cost that is not positive or not one
-            value per row count.
+            ``sizes_per_octave`` not 0 or a power of two, ``probe`` not a positive number,
+            ``weights`` not one positive finite number per request, ``drafter_seconds`` not a
+            number >= 0, a token budget too small for one node per request, or a cost that is
+            not positive or not one value per row count.
     """
     vals = _check_values(values)
     if not vals:
@@ -790,18 +790,18 @@ class BudgetController:
     While the window of step sizes is too narrow to identify the cost slope (:meth:
     `StepCostModel.spread` < ``min_spread``), every ``probe_every``-th allocation is a step of
     about half or twice the rows (alternately, halving first; the most valuable nodes at that
-    total): a step of
-    another size is as exact as any other, and without it a controller that always picks the
-    same size never learns what other sizes cost. A probe whose size is new is repeated at the
-    next allocation: its first step is not timed (below), so without the repeat the first
-    probes taught nothing and a new engine at batch 1 verified ``B_max``-node trees for ~60
-    steps (measured on the shipped pair) before two timed sizes existed.
+    total): a step of another size is as exact as any other, and without it a controller that
+    always picks the same size never learns what other sizes cost. A probe whose size is new
+    is repeated at the next allocation: its first step is not timed (below), so without the
+    repeat the first probes taught nothing and a new engine at batch 1 verified
+    ``B_max``-node trees for ~60 steps (measured on the shipped pair) before two timed sizes
+    existed.
 
     Steps verify a multiple of ``min(row_multiple, requests)`` rows, on a ladder of
-    ``sizes_per_octave`` sizes per doubling (:func:`allocate_budgets`), and the first step of each ``(rows, requests)`` is not timed (:meth:`step_finished`): a
-    size's first step pays one-time costs (oneDNN primitives per row count on a CPU, a new GEMM
-    shape in every linear layer: several ms a step on the shipped pair), which read as a steep or
-    negative slope.
+    ``sizes_per_octave`` sizes per doubling (:func:`allocate_budgets`), and the first step of
+    each ``(rows, requests)`` is not timed (:meth:`step_finished`): a size's first step pays
+    one-time costs (oneDNN primitives per row count on a CPU, a new GEMM shape in every linear
+    layer: ≈ 40 ms a new size on the shipped pair), which read as a steep or negative slope.
 
     Attributes:
         max_budget: ``B_max``.
