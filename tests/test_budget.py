@@ -660,6 +660,32 @@ def test_controller_allocates_on_its_ladder():
     assert [b] == allocate_budgets(values, cost, 40, sizes_per_octave=4).budgets
 
 
+def test_controller_keeps_to_its_ladder_when_every_node_built_pays():
+    """The engine's trees are built to caps (:meth:`BudgetController.build_caps`), so taking
+    every node built is an arbitrary row count: the controller does not take it off the ladder
+    (``take_all=False``), while :func:`allocate_budgets` by default does. Measured on the
+    shipped pair at batch 8: 15 of a pass's 34 steps verified a row count never seen before,
+    each paying oneDNN's one-time costs."""
+    ctl = BudgetController(64, cost=StepCostModel(prior_slope=0.0), probe_every=0,
+                           row_multiple=ENGINE_ROW_MULTIPLE,
+                           sizes_per_octave=ENGINE_SIZES_PER_OCTAVE)
+    allowed = {8 * u for u in LADDER_4}
+    for caps in ([14] * 8, [9, 17, 5, 30, 12, 12, 8, 21]):  # 112 + 8 rows, 114 + 8 rows
+        plps = [torch.cat((torch.zeros(1), torch.log(geometric(0.97, c)).float())) for c in caps]
+        budgets = ctl.allocate([f"r{i}" for i in range(8)], plps)
+        rows = sum(1 + b for b in budgets)
+        free = allocate_budgets([marginal_values(p, ctl.calibrator) for p in plps], flat, 64,
+                                row_multiple=8, sizes_per_octave=4)
+        assert free.budgets == caps and free.tokens not in allowed  # flat cost: every node
+        assert rows in allowed and rows == max(r for r in allowed if r <= free.tokens)
+    (b,) = ctl.allocate(["r0"], [torch.cat((torch.zeros(1),
+                                            torch.log(geometric(0.97, 13)).float()))])
+    assert 1 + b == 14 and 1 + b in LADDER_4  # batch 1: 13 nodes is on the ladder itself
+    (b,) = ctl.allocate(["r0"], [torch.cat((torch.zeros(1),
+                                            torch.log(geometric(0.97, 18)).float()))])
+    assert b == 15  # 19 rows is not: 16 is the largest ladder size below
+
+
 @pytest.mark.parametrize("probe, lo, hi", [(2.0, 1.5, 2.5), (0.5, 0.3, 0.7)])
 def test_probe_is_the_best_tree_set_at_another_size(probe, lo, hi):
     """A probe step verifies about ``probe`` × the chosen rows, on the grid, and takes the most
@@ -751,10 +777,11 @@ def test_a_probe_of_a_new_size_is_repeated_so_a_new_engine_learns_its_cost():
         sizes.append(rows)
         now += cost(rows) + (0.04 if rows not in seen else 0.0)  # a new size's one-time cost
         seen.add(rows)
-    assert sizes[:15] == [65] * 15 and sizes[15] == sizes[16] < 65, sizes  # probe, repeated
+    # B_max = 64 nodes would be 65 rows, off the ladder: the largest ladder size is 64
+    assert sizes[:15] == [64] * 15 and sizes[15] == sizes[16] < 64, sizes  # probe, repeated
     truth = allocate_budgets([marginal_values(plp, ctl.calibrator)], cost, 64,
-                             sizes_per_octave=4)
-    assert sizes[-1] == truth.tokens < 65, sizes  # then the best size for the true cost
+                             sizes_per_octave=4, take_all=False)
+    assert sizes[-1] == truth.tokens < 64, sizes  # then the best size for the true cost
 
 
 @pytest.mark.parametrize("kwargs, match", [
