@@ -604,10 +604,10 @@ def allocate_budgets(
             cost of the target-only step the allocation is compared with (at most down to 10 %
             of it).
         row_multiple: the row grid (int >= 1): only steps whose rows are a multiple of it are
-            considered, besides one node per request and every candidate (or the token budget's
-            limit). A step of a row count never seen before pays one-time costs -- on a CPU
-            oneDNN builds a GEMM primitive per new row count for every linear layer (≈ 0.5 ms
-            each); on a GPU, kernels are tuned or graphs captured per size -- so a few sizes
+            considered, besides one node per request and (``take_all``) every candidate (or the
+            token budget's limit). A step of a row count never seen before pays one-time costs --
+            on a CPU oneDNN builds a GEMM primitive per new row count for every linear layer (≈ 0.5
+            ms each); on a GPU, kernels are tuned or graphs captured per size -- so a few sizes
             reused beat a new size every step.
         sizes_per_octave: 0 (every multiple of ``row_multiple``) or a power of two ``s``: of
             ``u = rows / row_multiple`` grid units, every ``u < 2 s`` and from there ``s``
