@@ -420,8 +420,8 @@ def test_target_only_comparison_leaves_out_the_drafter_pass():
 
 
 def test_build_cap_follows_the_last_allocation():
-    """Trees are built at 1.5 × the last largest budget (8 .. B_max), twice it before a doubling
-    probe; B_max before any allocation."""
+    """Trees are built at 1.25 × the last largest budget (8 .. B_max), twice it before a
+    doubling probe; B_max before any allocation."""
     from vllm_ddtree.budget import BudgetController, StepCostModel
 
     ctl = BudgetController(64, cost=StepCostModel(prior_intercept=0.01, prior_slope=0.01),
@@ -430,20 +430,22 @@ def test_build_cap_follows_the_last_allocation():
     ctl.allocate(["a"], [torch.log(torch.tensor([1.0, 0.9, 0.5, 0.01, 0.001]))])
     assert max(ctl.stats.last_budgets) <= 4 and ctl.build_cap() == 8
     ctl.stats.last_budgets = [20, 3]
-    assert ctl.build_cap() == 30
+    assert ctl.build_cap() == 25
     ctl.stats.last_budgets = [21]
-    assert ctl.build_cap() == 32
-    ctl.stats.last_budgets = [50]
+    assert ctl.build_cap() == 27  # rounded up
+    ctl.stats.last_budgets = [6]
+    assert ctl.build_cap() == 8
+    ctl.stats.last_budgets = [60]
     assert ctl.build_cap() == 64
     ctl.probe_every = 4  # the next allocation (step 8) is a doubling probe
     ctl.stats.steps, ctl.stats.last_budgets = 7, [20]
     assert ctl.build_cap() == 40
     ctl.stats.steps = 3  # step 4: a halving probe
-    assert ctl.build_cap() == 30
+    assert ctl.build_cap() == 25
 
 
 def test_build_caps_follow_each_request_s_last_budget():
-    """Per request: 1.5 × its own last budget (8 .. B_max), twice it before a doubling probe; a
+    """Per request: 1.25 × its own last budget (8 .. B_max), twice it before a doubling probe; a
     request without one gets the batch-wide build_cap; a finished request is forgotten."""
     from vllm_ddtree.budget import BudgetController, StepCostModel
 
@@ -454,7 +456,7 @@ def test_build_caps_follow_each_request_s_last_budget():
           torch.log(torch.tensor([1.0] + [0.99] * 40))]
     budgets = ctl.allocate(["a", "b"], lp)
     assert budgets[0] <= 4 < 21 <= budgets[1]
-    want_b = min(64, -(-3 * budgets[1] // 2))
+    want_b = min(64, -(-5 * budgets[1] // 4))
     assert ctl.build_caps(["a", "b", "c"]) == [8, want_b, max(8, want_b)]
     ctl.probe_every = (ctl.stats.steps + 1) // 2  # the next allocation is a doubling probe
     assert ctl.stats.steps + 1 == 2 * ctl.probe_every
