@@ -516,6 +516,28 @@ def test_a_bucket_learns_its_slope_when_the_pooled_slope_is_zero():
     assert m.coefficients(8)[1] == pytest.approx(1.3e-4, rel=0.05)
 
 
+def test_a_slow_spell_on_the_small_steps_does_not_read_as_a_flat_cost():
+    """Measured on the shipped pair at batch 8: after one slow pass of the machine the mean
+    budget went 5 -> 13 for several passes. A spell slows a step's intercept and slope alike,
+    so the bucket's cost per token relative to its intercept comes from the time ratios of
+    consecutive steps, which a spell does not change; a fit on the steps' levels reads the
+    slow small steps below as a cost falling with size."""
+    g = torch.Generator().manual_seed(0)
+    m = StepCostModel()
+    a_true, b_true = 0.012, 6e-5
+    steps = []
+    for i in range(64):
+        slow, t = (1.5, (40, 48)[i % 2]) if i < 32 else (1.0, (56, 64)[i % 2])
+        s = slow * (a_true + b_true * t) * (1 + 0.01 * float(torch.randn(1, generator=g)))
+        m.observe(t, s, 8)
+        steps.append((t, s))
+    t, s = (torch.tensor(v, dtype=torch.float64) for v in zip(*steps))
+    level_slope = float(((t - t.mean()) * (s - s.mean())).sum() / ((t - t.mean()) ** 2).sum())
+    assert level_slope < 0  # the case: the steps' levels fall with size
+    a, b = m.coefficients(8)
+    assert b / a == pytest.approx(b_true / a_true, rel=0.15)
+
+
 def test_cost_model_fits_each_batch_size_apart():
     """Steps at batch 1 then batch 8, trees of several sizes, a cost per token that batching
     amortises: each batch size gets its own intercept and slope, so batch 8's many rows do not

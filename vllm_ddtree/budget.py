@@ -284,12 +284,18 @@ class StepCostModel:
       is defined before any data, and the per-request term stays 0 while one batch size was
       seen); it is what a bucket without steps of its own uses;
     * a **bucket** fit over the steps of the bucket (from ``min_bucket_steps`` steps on; the
-      pooled fit before), its slope pulled toward the pooled slope
-      as toward a prior of standard deviation ``bucket_slope_sd`` × the pooled slope, with the
-      bucket's own residual variance as the noise (the pooled fit's while the bucket has fewer
-      than 4 steps, which fit a line too closely; empirical Bayes): the bucket's own slope once
-      its steps have differed enough in tokens to measure it through the noise, the pooled slope
-      until then (a pooled slope of 0, clamped, sets no prior: the bucket's steps decide).
+      pooled fit before). Its slope relative to its intercept, ``c = slope / intercept``, comes
+      from the time ratios of the bucket's consecutive steps, ``(1 + c t2) / (1 + c t1)``: a
+      slow spell of the machine scales a step's intercept and slope alike and leaves the ratio
+      (and the best tree size, which depends on ``c`` alone) as it was, where a fit on the
+      steps' levels read a spell on the small steps of its window as a flat cost (on the
+      shipped pair at batch 8, mean budgets 5 → 13 for several passes after one slow pass).
+      ``c`` is pulled toward the pooled fit's as toward a prior of standard deviation
+      ``bucket_slope_sd`` × it, with the ratios' own residual variance as the noise (the
+      pooled fit's while the bucket has fewer than 4 pairs, which fit too closely; empirical
+      Bayes): the bucket's own ``c`` once its steps have differed enough in tokens to measure
+      it through the noise, the pooled one until then (a pooled slope of 0, clamped, sets no
+      prior: the bucket's steps decide); the line then goes through the window's mean step.
       A few steps of a bucket do not set its slope: on the shipped pair a batch-8 bucket
       with two steps (32 rows in 15.3 ms, 48 in 14.0) read as a flat cost under a weak prior,
       and every tree grew to ``B_max`` (520-row steps of 84 ms against 15 ms).
@@ -334,6 +340,13 @@ class StepCostModel:
         #: from the window once per ``window`` steps, so rounding does not accumulate.
         self._sums: dict[int, list[float]] = {}
         self._adds: dict[int, int] = {}
+        #: bucket -> its consecutive steps (a step and the step observed just before it, when
+        #: that was of the same bucket) as ``(tokens before, tokens, seconds / seconds before)``,
+        #: the last ``window``: the data of the bucket's cost per token relative to its
+        #: intercept, which a slowdown of the whole machine leaves unchanged.
+        self._pairs: dict[int, deque[tuple[float, float, float]]] = {}
+        #: ``(bucket, tokens, seconds)`` of the last step observed, or None.
+        self._prev: tuple[int, float, float] | None = None
         self._last_bucket = 1
         self._pooled: tuple[float, float, float] | None = None
         self._fits: dict[int, tuple[float, float]] = {}
@@ -372,6 +385,10 @@ class StepCostModel:
         else:
             for i, v in enumerate(_moments(*new)):
                 sums[i] += v
+        if self._prev is not None and self._prev[0] == k:
+            self._pairs.setdefault(k, deque(maxlen=self.window)).append(
+                (self._prev[1], float(tokens), s / self._prev[2]))
+        self._prev = (k, float(tokens), s)
         self._pooled = None
         self._fits.clear()
 
@@ -444,29 +461,61 @@ class StepCostModel:
         return a, float(coef[0]), float(coef[1])
 
     def _solve_bucket(self, k: int) -> tuple[float, float]:
-        # The same fit on tokens alone over one bucket's steps, the slope pulled toward the
-        # pooled slope: ridge weight noise variance / prior variance (the posterior mean under
-        # a normal prior on the slope), at least the pooled fit's own weak pull (prior_weight
-        # pseudo-steps at the mean's distance: one size only keeps the pooled slope). The
-        # noise is the bucket's own residual variance from 4 steps on, the pooled fit's before
-        # (2 steps fit any line exactly; the pooled fit also carries the buckets' misfit).
-        n, st, _, ss, stt, _, _, sts, _, sss = self._sums[k]
+        # The slope relative to the intercept, c = slope / intercept, from the bucket's
+        # consecutive steps: their time ratio rho = (1 + c t2) / (1 + c t1) whatever the
+        # machine's speed (least squares on rho - 1, :meth:`_ratio_fit`). A slow spell of the machine (another process, a throttled core) scales a step's
+        # intercept and slope alike: a fit on the steps' levels read spells that fell on the
+        # small steps of its window as a flat cost (on the shipped pair at batch 8, mean budgets
+        # 5 -> 13 for several passes after one slow pass), which the ratios do not see. Pairs
+        # whose residual is far out (a spell's first or last step) are dropped once. c is
+        # pulled toward the pooled fit's c as toward a prior of standard deviation
+        # bucket_slope_sd × it, with the pairs' own residual variance as the noise from 4
+        # pairs on (the pooled fit's, relative to its mean step, before), at least prior_weight
+        # pseudo-steps at the mean's distance (steps of one size keep the pooled c). The line
+        # then goes through the window's mean step: intercept = mean / (1 + c mean tokens).
+        n, st, _, ss, _, _, _, _, _, _ = self._sums[k]
         xm, ym = st / n, ss / n
-        if n >= 4:
-            sxx, sxy, syy = stt - n * xm * xm, sts - n * xm * ym, sss - n * ym * ym
-            noise = max(syy - sxy * sxy / sxx if sxx > 0 else syy, 0.0) / (n - 2)
-        else:
-            noise = self._pooled_noise()
-        prior = self._pooled_fit()[1]
+        a0, b0, c_req = self._pooled_fit()
+        prior = b0 / max(a0 + c_req * self._sums[k][2] / n, self.min_intercept)
+        pairs = self._pairs.get(k)
         lam = self.prior_weight * xm * xm
+        c = prior
+        if pairs:
+            t1, t2, rho = np.array(pairs).T
+            y = rho - 1.0
+            c = self._ratio_fit(t1, t2, y, prior, lam, ym)
+            resid = np.abs(y - c * (t2 - t1) / (1.0 + max(c, 0.0) * t1))
+            mad = float(np.median(resid))
+            if y.size >= 8 and mad > 0.0:  # drop far-out pairs (a spell's edges) once
+                keep = resid <= 6.0 * mad
+                if not keep.all():
+                    c = self._ratio_fit(t1[keep], t2[keep], y[keep], prior, lam, ym)
+        c = max(c, 0.0)
+        a = max(ym / (1.0 + c * xm), self.min_intercept)
+        return a, c * a
+
+    def _ratio_fit(self, t1: np.ndarray, t2: np.ndarray, y: np.ndarray, prior: float,
+                   lam: float, ym: float) -> float:
+        # c of :meth:`_solve_bucket` on some pairs: rho - 1 = c (t2 - t1) / (1 + c t1), least
+        # squares with the ridge pull toward ``prior``. A start from the linear form
+        # rho - 1 = c (t2 - rho t1) (biased: the noisy rho is in its regressor), then
+        # Gauss-Newton steps on the exact form.
+        m = y.size
+        x = t2 - (1.0 + y) * t1
+        sxx, sxy, syy = float(x @ x), float(x @ y), float(y @ y)
+        if m >= 4:
+            noise = max(syy - sxy * sxy / sxx if sxx > 0 else syy, 0.0) / (m - 1)
+        else:  # a pair's ratio noise: twice a step's relative variance
+            noise = 2.0 * self._pooled_noise() / (ym * ym)
         if prior > 0:  # a pooled slope of 0 (clamped) gives the prior no scale: data decide
             lam = max(lam, noise / (self.bucket_slope_sd * prior) ** 2)
-        b = max(0.0, (sts - n * xm * ym + lam * prior) / (stt - n * xm * xm + lam))
-        a = ym - b * xm
-        if a < self.min_intercept:
-            a = self.min_intercept
-            b = max(0.0, (sts - a * st + lam * prior) / (stt + lam))
-        return a, b
+        c = max((sxy + lam * prior) / (sxx + lam), 0.0)
+        dt = t2 - t1
+        for _ in range(3):
+            den = 1.0 + c * t1
+            f, g = c * dt / den, dt / (den * den)
+            c = max(c + (float(g @ (y - f)) - lam * (c - prior)) / (float(g @ g) + lam), 0.0)
+        return c
 
     def seconds(self, tokens, requests: int = 1):
         """Predicted wall time of a step verifying ``tokens`` rows for ``requests`` requests
