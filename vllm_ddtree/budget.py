@@ -461,18 +461,11 @@ class StepCostModel:
         return a, float(coef[0]), float(coef[1])
 
     def _solve_bucket(self, k: int) -> tuple[float, float]:
-        # The slope relative to the intercept, c = slope / intercept, from the bucket's
-        # consecutive steps: their time ratio rho = (1 + c t2) / (1 + c t1) whatever the
-        # machine's speed (least squares on rho - 1, :meth:`_ratio_fit`). A slow spell of the machine (another process, a throttled core) scales a step's
-        # intercept and slope alike: a fit on the steps' levels read spells that fell on the
-        # small steps of its window as a flat cost (on the shipped pair at batch 8, mean budgets
-        # 5 -> 13 for several passes after one slow pass), which the ratios do not see. Pairs
-        # whose residual is far out (a spell's first or last step) are dropped once. c is
-        # pulled toward the pooled fit's c as toward a prior of standard deviation
-        # bucket_slope_sd × it, with the pairs' own residual variance as the noise from 4
-        # pairs on (the pooled fit's, relative to its mean step, before), at least prior_weight
-        # pseudo-steps at the mean's distance (steps of one size keep the pooled c). The line
-        # then goes through the window's mean step: intercept = mean / (1 + c mean tokens).
+        # c = slope / intercept from the time ratios of the bucket's consecutive steps (the
+        # class docstring; least squares in :meth:`_ratio_fit`), pairs far out (a spell's first
+        # or last step) dropped once; the pooled fit's c is the prior, at least prior_weight
+        # pseudo-steps at the mean's distance (steps of one size keep it). The line then goes
+        # through the window's mean step: intercept = mean / (1 + c mean tokens).
         n, st, _, ss, _, _, _, _, _, _ = self._sums[k]
         xm, ym = st / n, ss / n
         a0, b0, c_req = self._pooled_fit()
@@ -490,7 +483,6 @@ class StepCostModel:
                 keep = resid <= 6.0 * mad
                 if not keep.all():
                     c = self._ratio_fit(t1[keep], t2[keep], y[keep], prior, lam, ym)
-        c = max(c, 0.0)
         a = max(ym / (1.0 + c * xm), self.min_intercept)
         return a, c * a
 
