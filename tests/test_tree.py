@@ -243,7 +243,9 @@ def test_batched_ties_ranked_per_row():
     mixed = untied.clone()
     mixed[1] = tied[1]  # one depth tied, the others not
     lp = torch.stack([untied, tied, mixed, tied.flip(-1)])
-    for budget in (1, 7, 30, [4, 30, 12, 1]):
+    # Per-request budgets share one top-k (k <= 16): request 3's (tied) budget is the shared
+    # k, so no tie sits at its cut, where the token kept would be torch.topk's pick.
+    for budget in (1, 7, 30, [4, 30, 12, 9]):
         got = build_draft_trees(lp, budget)
         for r, tree in enumerate(got):
             b = budget[r] if isinstance(budget, list) else budget
@@ -350,6 +352,15 @@ def test_per_request_budgets_give_each_tree_its_own_size():
             assert torch.equal(got[r].token_ids, want.token_ids)
             assert torch.equal(got[r].parents, want.parents)
             assert torch.equal(got[r].path_log_probs, want.path_log_probs)
+    # Budgets in several top-k classes (k <= 16 shares one, then 17-32, 33-64).
+    wide = torch.log_softmax(torch.randn(5, 7, 64) * 2, dim=-1)
+    sizes = [2, 9, 0, 20, 40]
+    got = build_draft_trees(wide, sizes)
+    for r, b in enumerate(sizes):
+        want = build_draft_tree(wide[r], b)
+        assert got[r].num_nodes == b
+        assert _lists(got[r]) == _lists(want)
+        assert torch.equal(got[r].path_log_probs, want.path_log_probs)
     # Each request's top-k reads its own min(L, budget) depths: rows deeper than a request's
     # budget (here NaN) raise nothing, the same rows within it do.
     bad = lp.clone()
