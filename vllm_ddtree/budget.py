@@ -466,10 +466,10 @@ class StepCostModel:
         # or last step) dropped once; the pooled fit's c is the prior, at least prior_weight
         # pseudo-steps at the mean's distance (steps of one size keep it). The line then goes
         # through the window's mean step: intercept = mean / (1 + c mean tokens).
-        n, st, _, ss, _, _, _, _, _, _ = self._sums[k]
+        n, st, sr, ss, *_ = self._sums[k]
         xm, ym = st / n, ss / n
         a0, b0, c_req = self._pooled_fit()
-        prior = b0 / max(a0 + c_req * self._sums[k][2] / n, self.min_intercept)
+        prior = b0 / max(a0 + c_req * sr / n, self.min_intercept)
         pairs = self._pairs.get(k)
         lam = self.prior_weight * xm * xm
         c = prior
@@ -477,7 +477,7 @@ class StepCostModel:
             t1, t2, rho = np.array(pairs).T
             y = rho - 1.0
             c = self._ratio_fit(t1, t2, y, prior, lam, ym)
-            resid = np.abs(y - c * (t2 - t1) / (1.0 + max(c, 0.0) * t1))
+            resid = np.abs(y - c * (t2 - t1) / (1.0 + c * t1))  # c >= 0
             mad = float(np.median(resid))
             if y.size >= 8 and mad > 0.0:  # drop far-out pairs (a spell's edges) once
                 keep = resid <= 6.0 * mad
