@@ -282,7 +282,7 @@ def test_cost_model_prior_then_fit():
     assert m.seconds(100) == pytest.approx(a + 100 * b)
     assert torch.allclose(m.seconds(torch.tensor([1.0, 2.0])),
                           torch.tensor([a + b, a + 2 * b], dtype=torch.float64))
-    assert m.num_observations == m.window == 64 and m.spread() == 8.0
+    assert m.num_observations == 64 and m.window == 256 and m.spread() == 8.0
 
 
 def test_cost_model_floors():
@@ -352,7 +352,8 @@ def test_controller_learns_the_cost_online_and_reaches_the_optimum(name, step_co
     got = ctl.stats.last_budgets
     assert _rate(truth, got, step_cost) >= 0.98 * _rate(truth, best.budgets, step_cost)
     if name == "gpu":
-        assert got == [64, 64] and ctl.cost.coefficients()[1] == 0.0
+        # 0 up to the rounding of the running sums (1e-12 s a token is 1 ns a 1000-row step)
+        assert got == [64, 64] and ctl.cost.coefficients()[1] == pytest.approx(0.0, abs=1e-12)
     elif name == "mixed":
         assert 4 <= min(got) <= max(got) <= 16
         assert ctl.cost.coefficients() == pytest.approx((0.01, 0.002), rel=0.05)

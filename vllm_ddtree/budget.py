@@ -34,6 +34,7 @@ outputs stay equal to target-only decoding.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import deque
@@ -300,6 +301,13 @@ class StepCostModel:
       with two steps (32 rows in 15.3 ms, 48 in 14.0) read as a flat cost under a weak prior,
       and every tree grew to ``B_max`` (520-row steps of 84 ms against 15 ms).
 
+    A pair's ratio is noisy (two steps' jitter against a few rows' difference), and so is the
+    pooled prior, hence the long default window: replaying one engine's steps on the shipped
+    pair (5th … 95th percentile of ``c`` over the steps), a window of 64 gave 2.8e-3 … 29e-3
+    at batch 1 (1166 steps) and 2.1e-3 … 5.7e-3 at batch 8 (213), a window of 256 gave
+    5.1e-3 … 14e-3 and 4.0e-3 … 6.9e-3; fixed budgets side by side put ``c`` near 7e-3 …
+    10e-3 at batch 1. ``c`` is a property of the hardware and the model, not of a spell.
+
     Fits are clamped to slopes >= 0 and ``intercept >= min_intercept`` (a step always costs
     something). On a GPU the slope is close to 0 up to hundreds of tokens; on a CPU it dominates.
     The default prior slope is 0 (GPU-like): the controller starts with large trees and learns
@@ -320,7 +328,7 @@ class StepCostModel:
         ValueError: an argument out of range.
     """
 
-    def __init__(self, window: int = 64, prior_intercept: float = 0.02, prior_slope: float = 0.0,
+    def __init__(self, window: int = 256, prior_intercept: float = 0.02, prior_slope: float = 0.0,
                  prior_weight: float = 0.01, min_intercept: float = 1e-4,
                  bucket_slope_sd: float = 0.25, min_bucket_steps: int = 4):
         self.window = _check_int("window", window, 2)
@@ -341,10 +349,13 @@ class StepCostModel:
         self._sums: dict[int, list[float]] = {}
         self._adds: dict[int, int] = {}
         #: bucket -> its consecutive steps (a step and the step observed just before it, when
-        #: that was of the same bucket) as ``(tokens before, tokens, seconds / seconds before)``,
-        #: the last ``window``: the data of the bucket's cost per token relative to its
-        #: intercept, which a slowdown of the whole machine leaves unchanged.
-        self._pairs: dict[int, deque[tuple[float, float, float]]] = {}
+        #: that was of the same bucket) as columns ``(tokens before, tokens, seconds / seconds
+        #: before)`` of a ``[3, window]`` float64 ring (the last ``window``; a fit reads them
+        #: in place, order does not matter to it): the data of the bucket's cost per
+        #: token relative to its intercept, which a slowdown of the whole machine leaves
+        #: unchanged. ``_num_pairs``: pairs ever added per bucket.
+        self._pairs: dict[int, np.ndarray] = {}
+        self._num_pairs: dict[int, int] = {}
         #: ``(bucket, tokens, seconds)`` of the last step observed, or None.
         self._prev: tuple[int, float, float] | None = None
         self._last_bucket = 1
@@ -386,8 +397,12 @@ class StepCostModel:
             for i, v in enumerate(_moments(*new)):
                 sums[i] += v
         if self._prev is not None and self._prev[0] == k:
-            self._pairs.setdefault(k, deque(maxlen=self.window)).append(
-                (self._prev[1], float(tokens), s / self._prev[2]))
+            ring = self._pairs.get(k)
+            if ring is None:
+                ring = self._pairs[k] = np.empty((3, self.window))
+            i = self._num_pairs.get(k, 0)
+            ring[:, i % self.window] = (self._prev[1], float(tokens), s / self._prev[2])
+            self._num_pairs[k] = i + 1
         self._prev = (k, float(tokens), s)
         self._pooled = None
         self._fits.clear()
@@ -470,16 +485,18 @@ class StepCostModel:
         xm, ym = st / n, ss / n
         a0, b0, c_req = self._pooled_fit()
         prior = b0 / max(a0 + c_req * sr / n, self.min_intercept)
-        pairs = self._pairs.get(k)
+        m = min(self._num_pairs.get(k, 0), self.window)
         lam = self.prior_weight * xm * xm
         c = prior
-        if pairs:
-            t1, t2, rho = np.array(pairs).T
+        if m:
+            t1, t2, rho = self._pairs[k][:, :m]
             y = rho - 1.0
             c = self._ratio_fit(t1, t2, y, prior, lam, ym)
             resid = np.abs(y - c * (t2 - t1) / (1.0 + c * t1))  # c >= 0
-            mad = float(np.median(resid))
-            if y.size >= 8 and mad > 0.0:  # drop far-out pairs (a spell's edges) once
+            # the median (the upper one of an even count): np.partition, since np.median's
+            # wrapper cost more than the fit here (it runs every step)
+            mad = float(np.partition(resid, m // 2)[m // 2])
+            if m >= 8 and mad > 0.0:  # drop far-out pairs (a spell's edges) once
                 keep = resid <= 6.0 * mad
                 if not keep.all():
                     c = self._ratio_fit(t1[keep], t2[keep], y[keep], prior, lam, ym)
@@ -729,6 +746,16 @@ def _on_ladder(rows: np.ndarray, row_multiple: int, sizes_per_octave: int) -> np
     return on
 
 
+@functools.lru_cache(maxsize=64)
+def _ladder_table(row_multiple: int, sizes_per_octave: int, size: int) -> np.ndarray:
+    """:func:`_on_ladder` of the row counts ``0 .. size - 1`` (read-only bool ``[size]``): the
+    allocation runs every step, and recomputing the ladder of its candidate counts was a tenth
+    of its cost."""
+    table = _on_ladder(np.arange(size, dtype=np.int64), row_multiple, sizes_per_octave)
+    table.flags.writeable = False
+    return table
+
+
 def _check_weights(weights: Sequence[float] | None, num: int) -> np.ndarray | None:
     if weights is None:
         return None
@@ -766,7 +793,9 @@ def _allocate(vals: list[np.ndarray], cost, max_budget: int, token_budget: int |
     rows_k = np.arange(base_rows, base_rows + max_extra + 1, dtype=np.float64)
     seconds_k = cost(rows_k)
     rates = (base + gains) / seconds_k
-    allowed = _on_ladder(rows_k.astype(np.int64), row_multiple, sizes_per_octave)
+    hi = base_rows + max_extra + 1
+    allowed = _ladder_table(row_multiple, sizes_per_octave, max(64, 1 << (hi - 1).bit_length())
+                            )[base_rows:hi].copy()
     allowed[0] = True  # one node each
     if take_all:
         allowed[-1] = True  # every candidate (or the token budget)
