@@ -269,6 +269,15 @@ def _batch_marginal_values(path_log_probs: Sequence[torch.Tensor],
 # --------------------------------------------------------------------------- step cost
 
 
+#: A bucket's ``c`` is refitted after every step while it has fewer pairs than this, then once
+#: per ``_REFIT_EVERY`` new pairs (the intercept follows the window's mean every step): over a
+#: window of 256 pairs, 16 more move ``c`` little, and the refit (two robust ratio fits over the
+#: window) was about half the controller's host cost a step at batch 1 (0.26 of 0.6 ms, in the
+#: engine on the shipped pair).
+_REFIT_ALWAYS_BELOW = 64
+_REFIT_EVERY = 16
+
+
 class StepCostModel:
     """Online model of one engine step's wall time, affine in the tokens it verified, per batch
     size: ``seconds = intercept(requests) + slope(requests) * tokens``.
@@ -306,7 +315,8 @@ class StepCostModel:
     pair (5th … 95th percentile of ``c`` over the steps), a window of 64 gave 2.8e-3 … 29e-3
     at batch 1 (1166 steps) and 2.1e-3 … 5.7e-3 at batch 8 (213), a window of 256 gave
     5.1e-3 … 14e-3 and 4.0e-3 … 6.9e-3; fixed budgets side by side put ``c`` near 7e-3 …
-    10e-3 at batch 1. ``c`` is a property of the hardware and the model, not of a spell.
+    10e-3 at batch 1. ``c`` is a property of the hardware and the model, not of a spell; it is
+    refitted every step while the bucket has fewer than 64 pairs, then once per 16 new pairs.
 
     Fits are clamped to slopes >= 0 and ``intercept >= min_intercept`` (a step always costs
     something). On a GPU the slope is close to 0 up to hundreds of tokens; on a CPU it dominates.
@@ -361,6 +371,8 @@ class StepCostModel:
         self._last_bucket = 1
         self._pooled: tuple[float, float, float] | None = None
         self._fits: dict[int, tuple[float, float]] = {}
+        #: bucket -> ``(c, pairs added when it was fitted)`` (see ``_REFIT_EVERY``).
+        self._c: dict[int, tuple[float, int]] = {}
 
     @staticmethod
     def bucket(requests: int) -> int:
@@ -431,7 +443,16 @@ class StepCostModel:
             a, b, c = self._pooled_fit()
             return a + c * requests, b
         if k not in self._fits:
-            self._fits[k] = self._solve_bucket(k)
+            pairs = self._num_pairs.get(k, 0)
+            cached = self._c.get(k)
+            if (cached is None or pairs < _REFIT_ALWAYS_BELOW
+                    or pairs - cached[1] >= _REFIT_EVERY):
+                cached = self._c[k] = (self._bucket_c(k), pairs)
+            n, st, _, ss, *_ = self._sums[k]
+            c, xm, ym = cached[0], st / n, ss / n
+            # the line through the window's mean step: intercept = mean / (1 + c mean tokens)
+            a = max(ym / (1.0 + c * xm), self.min_intercept)
+            self._fits[k] = (a, c * a)
         return self._fits[k]
 
     def per_request(self) -> float:
@@ -475,12 +496,11 @@ class StepCostModel:
                                   sss - 2 * a * ss + n * a * a, lam, prior)
         return a, float(coef[0]), float(coef[1])
 
-    def _solve_bucket(self, k: int) -> tuple[float, float]:
+    def _bucket_c(self, k: int) -> float:
         # c = slope / intercept from the time ratios of the bucket's consecutive steps (the
         # class docstring; least squares in :meth:`_ratio_fit`), pairs far out (a spell's first
         # or last step) dropped once; the pooled fit's c is the prior, at least prior_weight
-        # pseudo-steps at the mean's distance (steps of one size keep it). The line then goes
-        # through the window's mean step: intercept = mean / (1 + c mean tokens).
+        # pseudo-steps at the mean's distance (steps of one size keep it).
         n, st, sr, ss, *_ = self._sums[k]
         xm, ym = st / n, ss / n
         a0, b0, c_req = self._pooled_fit()
@@ -500,12 +520,11 @@ class StepCostModel:
                 keep = resid <= 6.0 * mad
                 if not keep.all():
                     c = self._ratio_fit(t1[keep], t2[keep], y[keep], prior, lam, ym)
-        a = max(ym / (1.0 + c * xm), self.min_intercept)
-        return a, c * a
+        return c
 
     def _ratio_fit(self, t1: np.ndarray, t2: np.ndarray, y: np.ndarray, prior: float,
                    lam: float, ym: float) -> float:
-        # c of :meth:`_solve_bucket` on some pairs: rho - 1 = c (t2 - t1) / (1 + c t1), least
+        # c of :meth:`_bucket_c` on some pairs: rho - 1 = c (t2 - t1) / (1 + c t1), least
         # squares with the ridge pull toward ``prior``. A start from the linear form
         # rho - 1 = c (t2 - rho t1) (biased: the noisy rho is in its regressor), then
         # Gauss-Newton steps on the exact form.
