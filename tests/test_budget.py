@@ -285,6 +285,40 @@ def test_cost_model_prior_then_fit():
     assert m.num_observations == 64 and m.window == 256 and m.spread() == 8.0
 
 
+def _affine_steps(m, c, steps, a=0.01, sizes=(8, 32)):
+    """Feed ``m`` noise-free steps of cost ``a (1 + c t)``, alternating the row counts."""
+    for i in range(steps):
+        t = sizes[i % len(sizes)]
+        m.observe(t, a * (1.0 + c * t))
+
+
+def test_cost_model_bucket_slope_from_the_last_window_pairs():
+    # The ring keeps the last ``window`` pairs: after a change of the cost per row, c is the
+    # new one once the old pairs have left the window, whatever the level did.
+    m = StepCostModel(window=16)
+    _affine_steps(m, 0.01, 40)
+    a, b = m.coefficients()
+    assert b / a == pytest.approx(0.01, rel=1e-3)
+    _affine_steps(m, 0.05, 40, a=0.02)  # a slower machine and a steeper cost
+    a, b = m.coefficients()
+    assert b / a == pytest.approx(0.05, rel=1e-3) and a == pytest.approx(0.02, rel=1e-3)
+
+
+def test_cost_model_refits_the_bucket_slope_once_per_16_pairs():
+    from vllm_ddtree.budget import _REFIT_ALWAYS_BELOW, _REFIT_EVERY
+
+    m = StepCostModel()
+    _affine_steps(m, 0.01, _REFIT_ALWAYS_BELOW + 20)
+    a0, b0 = m.coefficients()  # fitted at this many pairs
+    _affine_steps(m, 0.05, _REFIT_EVERY - 1)
+    a1, b1 = m.coefficients()
+    assert b1 / a1 == pytest.approx(b0 / a0, rel=1e-12)  # c kept ...
+    assert a1 != a0  # ... the intercept follows the window's mean every step
+    _affine_steps(m, 0.05, 1)
+    a2, b2 = m.coefficients()
+    assert b2 / a2 > 1.05 * (b0 / a0)  # refitted: the steeper pairs pull c up
+
+
 def test_cost_model_floors():
     m = StepCostModel(min_intercept=1e-3)
     for t in [10, 20, 40]:  # cost falls with size: never a negative slope

@@ -514,7 +514,7 @@ class StepCostModel:
             c = self._ratio_fit(t1, t2, y, prior, lam, ym)
             resid = np.abs(y - c * (t2 - t1) / (1.0 + c * t1))  # c >= 0
             # the median (the upper one of an even count): np.partition, since np.median's
-            # wrapper cost more than the fit here (it runs every step)
+            # wrapper cost more than the fit here
             mad = float(np.partition(resid, m // 2)[m // 2])
             if m >= 8 and mad > 0.0:  # drop far-out pairs (a spell's edges) once
                 keep = resid <= 6.0 * mad
