@@ -228,6 +228,25 @@ def test_engine_verify_len_from_the_config_being_built(monkeypatch):
     assert tree_cuda._engine_verify_len() is None
 
 
+def test_a_layer_the_kernel_cannot_fit_stops_the_engine_at_start_up(monkeypatch):
+    """On a GPU whose shared memory cannot hold even the kernel's smallest tiles for a layer,
+    building the layer in a DDTree engine fails naming the shape and the limit (never the first
+    tree step)."""
+    from vllm_ddtree.attention import triton_tree
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(triton_tree, "device_shared_memory_limit", lambda device: 101_376)
+    monkeypatch.setattr(tree_cuda, "_engine_verify_len", lambda: 8)
+    assert make_impl().verify_len == 8  # fits a 99 KiB GPU
+    monkeypatch.setattr(triton_tree, "device_shared_memory_limit", lambda device: 4_096)
+    with pytest.raises(triton_tree.TreeKernelResourceError,
+                       match=rf"head_size={HEAD}, dtype=float32, GQA group .*allows 4096"):
+        make_impl()
+    monkeypatch.setattr(tree_cuda, "_engine_verify_len", lambda: None)
+    assert make_impl(verify_len=None).verify_len is None  # not a DDTree engine: vLLM's own
+
+
 def test_publish_writes_in_place_and_clear_resets(buffers):
     ptrs = [t.data_ptr() for t in (buffers.tree_start, buffers.tree_mask,
                                    buffers.tree_mask_offsets)]

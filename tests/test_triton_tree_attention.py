@@ -200,6 +200,26 @@ def test_tiles_and_block_sizes_do_not_change_the_result():
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 4e-2)])
+def test_every_configuration_chosen_for_a_gpu_gives_the_reference(dtype, tol):
+    """The launch parameters the engine picks on each GPU architecture (ahead-of-time checked
+    for resources in ``test_triton_aot.py``) compute the same attention."""
+    from vllm_ddtree.attention.triton_tree import SHARED_MEMORY_PER_BLOCK, choose_tree_kernel_config
+
+    case = Case(**MIXED, num_heads=8, num_kv_heads=2, head_size=64, block_size=16, dtype=dtype,
+                seed=11)
+    want = case.reference()
+    T = int(case.query_start_loc[-1])
+    configs = {choose_tree_kernel_config(dtype, 64, 4, rows, limit)
+               for limit in set(SHARED_MEMORY_PER_BLOCK.values()) for rows in (1, 5, 33)}
+    assert len({(c.block_m, c.tile_n) for c in configs}) >= (3 if dtype == torch.bfloat16 else 1)
+    for c in configs:
+        got = case.kernel(block_m=c.block_m, tile_n=c.tile_n, num_warps=c.num_warps,
+                          num_stages=c.num_stages, max_query_len=40)
+        assert_close(got[:T], want[:T], tol)
+
+
+@needs_kernel
 def test_strided_query_and_stacked_cache_layouts():
     case = Case(**MIXED, num_heads=4, num_kv_heads=2, head_size=32, block_size=16, seed=5)
     want = case.reference()

@@ -45,6 +45,7 @@ from vllm_ddtree.attention.triton_tree import (
     TreeMaskBuffers,
     allocate_tree_mask_buffers,
     build_tree_mask_buffers,
+    check_tree_kernel_fits,
     compact_kv_nhd,
     tree_attention_paged,
 )
@@ -219,6 +220,33 @@ def _engine_verify_len() -> int | None:
     return int(cfg.speculative_config.num_speculative_tokens) + 1
 
 
+def check_tree_kernel_on_this_gpu(head_size: int, group: int) -> None:
+    """Engine start-up: the tree kernel can launch for this layer on this process's GPU.
+
+    A layer whose tiles cannot fit the GPU's shared memory would otherwise stop the engine with
+    Triton's ``OutOfResources`` at the first tree step. Nothing to check off CUDA.
+
+    Args:
+        head_size: the layer's head size.
+        group: query heads per KV head.
+
+    Raises:
+        TreeKernelResourceError: no launch configuration fits
+            (:func:`~vllm_ddtree.attention.triton_tree.choose_tree_kernel_config`).
+    """
+    if not torch.cuda.is_available():
+        return
+    from vllm.config.vllm import get_current_vllm_config_or_none
+
+    cfg = get_current_vllm_config_or_none()
+    model_config = getattr(cfg, "model_config", None)
+    dtype = getattr(model_config, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        dtype = torch.float32  # the widest: fits whenever any dtype does
+    check_tree_kernel_fits(dtype, head_size, group,
+                           torch.device("cuda", torch.cuda.current_device()))
+
+
 class DDTreeTritonAttentionImpl(TritonAttentionImpl):
     """vLLM's ``TritonAttentionImpl`` plus ancestor-only attention for DDTree tree rows.
 
@@ -230,11 +258,18 @@ class DDTreeTritonAttentionImpl(TritonAttentionImpl):
     Attributes:
         verify_len: ``num_speculative_tokens + 1`` of the engine, read from the vLLM config being
             built when the layer is constructed (``None``: not a DDTree engine).
+
+    Raises:
+        TreeKernelResourceError: (construction, DDTree engines on CUDA) the tree kernel has no
+            launch configuration within the GPU's shared memory for this layer
+            (:func:`check_tree_kernel_on_this_gpu`).
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.verify_len = _engine_verify_len()
+        if self.verify_len is not None:
+            check_tree_kernel_on_this_gpu(self.head_size, self.num_heads // self.num_kv_heads)
 
     # ------------------------------------------------------------------ attention
     def _uses_tree_kernel(self, attn_metadata: TritonAttentionMetadata | None) -> bool:

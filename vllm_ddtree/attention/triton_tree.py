@@ -61,6 +61,7 @@ Triton 3.9's interpreter gets bf16 ``tl.dot`` wrong).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -602,6 +603,212 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+# --------------------------------------------------------------------------- launch parameters
+
+#: Shared memory one thread block may use (bytes, the opt-in maximum) per CUDA compute
+#: capability, from the CUDA C++ Programming Guide's table "Technical Specifications per Compute
+#: Capability". :func:`device_shared_memory_limit` reads the device's own figure and falls back
+#: to this table.
+SHARED_MEMORY_PER_BLOCK = {
+    80: 166_912,   # A100
+    86: 101_376,   # RTX 3090, A6000, A10
+    87: 166_912,   # Jetson Orin
+    89: 101_376,   # RTX 4090, L40S, L4
+    90: 232_448,   # H100, H200
+    100: 232_448,  # B200
+    103: 232_448,  # B300
+    120: 101_376,  # RTX 5090, RTX PRO 6000
+    121: 101_376,  # DGX Spark
+}
+
+
+class TreeKernelResourceError(ValueError):
+    """No launch configuration of the tree-attention kernel fits the device's shared memory."""
+
+
+@dataclass(frozen=True)
+class TreeKernelConfig:
+    """Launch parameters of :func:`_tree_attention_kernel` for one shape on one device.
+
+    Attributes:
+        block_m: softmax rows per program (query rows x padded GQA group), power of two >= 16.
+        tile_n: keys per inner iteration, power of two >= 16.
+        num_warps, num_stages: Triton launch options.
+        shared_bytes: upper bound on the shared memory one program needs
+            (:func:`estimate_shared_bytes`), in bytes.
+    """
+
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+    shared_bytes: int
+
+
+def estimate_shared_bytes(block_m: int, tile_n: int, head_size: int, element_size: int) -> int:
+    """Upper bound on the shared memory (bytes) of one program of the tree-attention kernel.
+
+    The terms are the kernel's tiles: a K and a V tile (``tile_n x head_pad`` each), the Q tile
+    (``block_m x head_pad``), the fp32 scores and the probabilities in the input dtype
+    (``block_m x tile_n`` each). Triton stages each of these through shared memory for the
+    ``tl.dot`` operand layouts; on sm_90 with ``block_m >= 64`` (warp-group MMA) the Q and score
+    tiles take a second buffer, so those two terms are counted twice. The ahead-of-time compile
+    test (``tests/test_triton_aot.py``) checks the bound against Triton's own ``metadata.shared``
+    for every configuration :func:`choose_tree_kernel_config` picks on sm_80 ... sm_120.
+
+    Args:
+        block_m, tile_n: as in :class:`TreeKernelConfig`.
+        head_size: the head size (padded inside to a power of two >= 16).
+        element_size: bytes per element of the query / KV cache (2 or 4).
+    """
+    head_pad = max(16, _next_pow2(head_size))
+    kv = 2 * tile_n * head_pad * element_size
+    q = block_m * head_pad * element_size
+    scores = block_m * tile_n * (4 + element_size)
+    return kv + 2 * q + 2 * scores
+
+
+@functools.lru_cache(maxsize=4096)  # pure, and called for every layer of every step
+def choose_tree_kernel_config(
+    dtype: torch.dtype,
+    head_size: int,
+    group: int,
+    max_query_len: int,
+    shared_limit: int | None = None,
+) -> TreeKernelConfig:
+    """Launch parameters for the tree-attention kernel, within the device's shared memory.
+
+    Starts from the configuration preferred for the shape and halves ``tile_n``, then
+    ``block_m``, until :func:`estimate_shared_bytes` fits ``shared_limit``. Preferred (chosen
+    from ahead-of-time compiles for sm_80 ... sm_120 for no or few register spills, see
+    ``docs/cuda_kernel_resources.md``):
+
+    * ``block_m``: the step's rows x padded GQA group, rounded up to a power of two, between 16
+      and 64 for 16-bit heads up to 128 wide, 32 for wider 16-bit heads and 16 for float32
+      (vLLM's ``unified_attention`` runs 16 softmax rows per program; a draft tree of many rows
+      reads each K/V tile once for up to 64 of them);
+    * ``tile_n``: 64 keys for 16-bit heads up to 128 wide, 32 for wider ones, 16 for float32
+      (IEEE fp32 products run on the FMA units and hold their operands in registers);
+    * ``num_warps``: 8 for 16-bit inputs from ``block_m x tile_n >= 2048`` or
+      ``block_m x head_pad >= 8192``, else 4; ``num_stages`` 2 (the K/V loads gather through
+      the block table, so deeper pipelining only adds buffers).
+
+    Args:
+        dtype: query / KV-cache dtype (fp16, bf16, fp32).
+        head_size: head size (any; padded inside to a power of two >= 16).
+        group: query heads per KV head (GQA group), >= 1.
+        max_query_len: the most rows any request has in the launch, >= 1.
+        shared_limit: the device's shared memory per block in bytes
+            (:func:`device_shared_memory_limit`); ``None``: Triton's interpreter on CPU tensors,
+            which has no GPU resources and runs fastest with the largest tiles (``block_m`` up to
+            128, 64-key tiles).
+
+    Returns:
+        The :class:`TreeKernelConfig`.
+
+    Raises:
+        TreeKernelResourceError: even ``block_m = max(16, padded group)`` with 16-key tiles does
+            not fit ``shared_limit``.
+        ValueError: an unsupported dtype or a non-positive size.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {dtype} not in {SUPPORTED_DTYPES}")
+    if head_size < 1 or group < 1 or max_query_len < 1:
+        raise ValueError(
+            f"head_size, group and max_query_len must be >= 1, got {head_size}, {group}, "
+            f"{max_query_len}"
+        )
+    element_size = dtype.itemsize
+    head_pad = max(16, _next_pow2(head_size))
+    group_pad = _next_pow2(group)
+    if element_size == 4:
+        max_block_m, tile_n = 16, 16
+    elif head_pad <= 128:
+        max_block_m, tile_n = 64, 64
+    else:
+        max_block_m, tile_n = 32, 32
+    if shared_limit is None:
+        # Triton's interpreter: no GPU resources, and each program and key tile is one round of
+        # numpy calls, so the fewest, largest tiles run fastest.
+        max_block_m, tile_n = 128, 64
+    block_m = max(group_pad, min(max_block_m, max(16, _next_pow2(max_query_len * group_pad))))
+    smallest_block_m = max(16, group_pad)
+    while True:
+        need = estimate_shared_bytes(block_m, tile_n, head_size, element_size)
+        if shared_limit is None or need <= shared_limit:
+            break
+        if tile_n > 16:
+            tile_n //= 2
+        elif block_m > smallest_block_m:
+            block_m //= 2
+        else:
+            raise TreeKernelResourceError(
+                f"DDTree's CUDA tree-attention kernel needs {need} bytes of shared memory per "
+                f"block for head_size={head_size}, dtype={str(dtype).removeprefix('torch.')}, "
+                f"GQA group {group} (its smallest tiles: {block_m} rows x 16 keys); this GPU "
+                f"allows {shared_limit}"
+            )
+    wide = block_m * tile_n >= 2048 or block_m * head_pad >= 8192
+    num_warps = 8 if element_size < 4 and wide else 4
+    return TreeKernelConfig(block_m=block_m, tile_n=tile_n, num_warps=num_warps, num_stages=2,
+                            shared_bytes=need)
+
+
+def device_shared_memory_limit(device: torch.device | str) -> int | None:
+    """Shared memory per block (bytes, opt-in maximum) of a CUDA device; ``None`` off CUDA.
+
+    Reads ``torch.cuda.get_device_properties(device).shared_memory_per_block_optin`` (as vLLM's
+    FlexAttention backend does), else the :data:`SHARED_MEMORY_PER_BLOCK` entry of the device's
+    compute capability.
+
+    Raises:
+        TreeKernelResourceError: a CUDA device that reports no limit and whose capability is not
+            in :data:`SHARED_MEMORY_PER_BLOCK`.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_shared_memory_limit(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_shared_memory_limit(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    limit = getattr(props, "shared_memory_per_block_optin", None)
+    if limit:
+        return int(limit)
+    cap = props.major * 10 + props.minor
+    if cap not in SHARED_MEMORY_PER_BLOCK:
+        raise TreeKernelResourceError(
+            f"DDTree's CUDA tree-attention kernel: {props.name} (sm_{cap}) reports no shared "
+            f"memory limit and is not one of the known architectures "
+            f"{sorted(SHARED_MEMORY_PER_BLOCK)}"
+        )
+    return SHARED_MEMORY_PER_BLOCK[cap]
+
+
+def check_tree_kernel_fits(
+    dtype: torch.dtype, head_size: int, group: int, device: torch.device | str
+) -> TreeKernelConfig | None:
+    """Engine start-up check: the tree kernel has a launch configuration on ``device`` for every
+    row count a step can have (trees of 1 .. :data:`MAX_TREE_ROWS` rows, longer prefill chunks).
+
+    Returns:
+        The configuration of a :data:`MAX_TREE_ROWS`-row launch, or ``None`` off CUDA (no limit
+        to check).
+
+    Raises:
+        TreeKernelResourceError: see :func:`choose_tree_kernel_config`.
+    """
+    limit = device_shared_memory_limit(device)
+    if limit is None:
+        return None
+    # The choice steps down to the same smallest tiles from any row count, so one count that
+    # starts from the largest tiles decides for all.
+    return choose_tree_kernel_config(dtype, head_size, group, MAX_TREE_ROWS, limit)
+
+
 def _check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
                 tree_start, tree_mask, tree_mask_offsets, output) -> None:
     if query.dim() != 3:
@@ -698,11 +905,14 @@ def tree_attention_paged(
             new tensor like ``query``). Rows outside ``query_start_loc[0] .. [-1]`` are untouched.
         max_query_len: upper bound on any request's rows; sizes the launch grid. Pass it (a host
             int, fixed across steps) to avoid a device sync and to keep a CUDA graph's grid static.
-        block_m: softmax rows per program (power of two >= 16; default fits ``max_query_len``,
-            16..128). Rounded up to at least the padded GQA group.
-        tile_n: keys per inner iteration (power of two >= 16, default 64).
+        block_m: softmax rows per program (power of two >= 16). Rounded up to at least the
+            padded GQA group.
+        tile_n: keys per inner iteration (power of two >= 16).
         allow_tf32: use TF32 products for fp32 inputs (faster, less exact).
-        num_warps, num_stages: Triton launch options (defaults: Triton's).
+        num_warps, num_stages: Triton launch options.
+            Each of ``block_m``, ``tile_n``, ``num_warps``, ``num_stages`` left ``None`` comes
+            from :func:`choose_tree_kernel_config` for this shape and the device's shared memory
+            (what the engine runs).
         check_metadata: validate ``seq_lens``/``query_start_loc``/``tree_start``/offsets on the
             host first (device sync). Without it, inconsistent metadata gives undefined results.
 
@@ -712,6 +922,7 @@ def tree_attention_paged(
     Raises:
         ValueError: bad shapes, dtypes (int32 metadata, float data, cache dtype == query dtype),
             devices, GQA ratio, or (``check_metadata``) inconsistent metadata.
+        TreeKernelResourceError: no configuration fits the device's shared memory.
         RuntimeError: Triton is not installed.
     """
     _check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
@@ -732,22 +943,18 @@ def tree_attention_paged(
 
     group = num_heads // num_kv_heads
     group_pad = _next_pow2(group)
-    if block_m is None:
-        block_m = min(128, max(16, _next_pow2(max_query_len * group_pad)))
-    for name, val in (("block_m", block_m), ("tile_n", tile_n if tile_n is not None else 64)):
-        if val < 16 or val & (val - 1):
+    for name, val in (("block_m", block_m), ("tile_n", tile_n)):
+        if val is not None and (val < 16 or val & (val - 1)):
             raise ValueError(f"{name} must be a power of two >= 16, got {val}")
-    block_m = max(block_m, group_pad)
-    tile_n = 64 if tile_n is None else tile_n
+    chosen = choose_tree_kernel_config(query.dtype, head_size, group, max_query_len,
+                                       device_shared_memory_limit(query.device))
+    block_m = max(chosen.block_m if block_m is None else block_m, group_pad)
+    tile_n = chosen.tile_n if tile_n is None else tile_n
+    num_warps = chosen.num_warps if num_warps is None else num_warps
+    num_stages = chosen.num_stages if num_stages is None else num_stages
     block_q = block_m // group_pad
     head_pad = max(16, _next_pow2(head_size))
     precision = "tf32" if (allow_tf32 and query.dtype == torch.float32) else "ieee"
-
-    launch: dict[str, int] = {}
-    if num_warps is not None:
-        launch["num_warps"] = num_warps
-    if num_stages is not None:
-        launch["num_stages"] = num_stages
     if not HAS_TRITON:
         raise RuntimeError("tree_attention_paged needs Triton (pip install triton)")
     grid = (num_reqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
@@ -771,7 +978,8 @@ def tree_attention_paged(
         DOT_PRECISION=precision,
         # Only the interpreter runs on non-CUDA tensors; its bf16 tl.dot is wrong.
         DOT_UPCAST=(query.device.type != "cuda" and query.dtype == torch.bfloat16),
-        **launch,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return output
 
