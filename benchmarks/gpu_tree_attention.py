@@ -17,6 +17,9 @@ repository root::
    1 and 8, context 1k and 8k, B in {16, 64, 256}. Prints a markdown table of ms per call
    (CUDA events, median over repeats) and the ratio tree / chain. ``chain-as-tree`` is the same
    16 rows through the tree path (a lower-triangular mask): the cost of the bitmask itself.
+   Launch parameters are the engine's own (``choose_tree_kernel_config`` for the device's shared
+   memory, printed per B) unless ``--block-m`` / ``--tile-n`` / ``--num-warps`` /
+   ``--num-stages`` override them.
 
 Exit status 1 if any check fails.
 """
@@ -35,8 +38,10 @@ from gpu_timing import select_device, time_call  # noqa: E402  (benchmarks/, the
 from vllm_ddtree.attention.triton_tree import (  # noqa: E402
     HAS_TRITON,
     build_tree_mask_buffers,
+    choose_tree_kernel_config,
     compact_kv_nhd,
     compact_kv_stacked,
+    device_shared_memory_limit,
     tree_attention_paged,
     tree_attention_paged_reference,
 )
@@ -215,6 +220,12 @@ def benchmark(device: str, smoke: bool, args) -> str:
         "| batch | context | B | tree ms | chain ms | chain-as-tree ms | tree / chain |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    limit = device_shared_memory_limit(device)
+    for i, budget in enumerate(budgets):
+        c = choose_tree_kernel_config(dt, d, h // hkv, budget + 1, limit)
+        lines.insert(1 + i, f"B={budget}: block_m {c.block_m}, tile_n {c.tile_n}, "
+                            f"{c.num_warps} warps, {c.num_stages} stages (the engine's choice; "
+                            f"shared memory per block {limit})")
     for batch in batches:
         for ctx in contexts:
             common = dict(num_heads=h, num_kv_heads=hkv, head_size=d, block_size=bs, dtype=dt,

@@ -4,8 +4,9 @@ The interpreter tests (``test_triton_tree_attention.py``) check the kernel's val
 see GPU resources. Here Triton's NVIDIA backend and bundled ``ptxas`` compile the kernel for
 sm_80, sm_86, sm_89, sm_90, sm_100 and sm_120 on this CPU machine, with exactly the launch
 parameters :func:`tree_attention_paged` chooses for each device's shared-memory limit, and the
-test asserts that it compiles, that ``metadata.shared`` is within the architecture's limit, and
-that the package's own estimate (which the engine checks at start-up) is an upper bound.
+test asserts that it compiles, that ``metadata.shared`` is within the architecture's limit,
+that the package's own estimate (which the engine checks at start-up) is an upper bound, and
+that no register spills to local memory (the chooser's preferences were picked for that).
 
 The default run compiles, per architecture, the shapes whose chosen configuration needs the most
 shared memory for each dtype; ``-m slow`` compiles one shape of every configuration class the
@@ -93,8 +94,8 @@ def _check_compiled(cases):
     for (cap, shape), res in zip(cases, results):
         config = _config(shape, cap)
         limit = ARCHITECTURES[cap]
-        if not res.shared <= limit or not res.shared <= config.shared_bytes:
-            failures.append(f"sm_{cap} {shape} {config}: shared {res.shared} (limit {limit})")
+        if not res.shared <= limit or not res.shared <= config.shared_bytes or res.spill:
+            failures.append(f"sm_{cap} {shape} {config}: {res} (limit {limit})")
     assert not failures, "\n".join(failures)
 
 
