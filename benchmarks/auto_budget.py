@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from e2e import SpecCounter, step_metrics, wrap_steps  # noqa: E402  (also puts examples/ and ROOT on sys.path)
+from e2e import SpecCounter, step_metrics, wrap_steps  # noqa: E402  (also puts ROOT on sys.path)
 
 BUDGETS = (4, 8, 16, 32, 64, 128, 256)
 

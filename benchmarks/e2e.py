@@ -161,12 +161,23 @@ class SpecCounter:
         return self.drafts, self.accepted, list(self.per_pos)
 
 
-# vLLM's spec-decode counters, read the same way as the main job does. The repository root too:
-# the tiny-model builders, trained-pair paths and oracle drafts are test support (tests/support),
+# The tiny-model builders, trained-pair paths and oracle drafts are test support (tests/support),
 # not part of the installed package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
-from generate import spec_counts  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def spec_counts(llm) -> tuple[int, int, list[int]]:
+    """vLLM's cumulative spec-decode counters: (drafts, accepted tokens, accepted per position)."""
+    drafts = accepted = 0
+    per_pos: list[int] = []
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts":
+            drafts = int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            accepted = int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            per_pos = [int(v) for v in m.values]
+    return drafts, accepted, per_pos
 
 
 def measure(llm, steps, stages, prompts, params, batch):

@@ -1,153 +1,230 @@
-"""Run DDTree through vLLM on the trained tiny pair, next to target-only decoding, and compare.
+"""The main job: where DDTree pays on this machine, and that its output is exact.
 
-By default: the trained pair shipped in ``models/`` (a 5 M-parameter Qwen3 target trained on the
-Python standard library and its DFlash drafter, see README "Trained tiny pair") on code prompts
-from standard-library modules held out of training. Prints each completion, the mean acceptance
-length τ (accepted draft tokens + 1 per verification step, from vLLM's own spec-decode counters),
-the acceptance rate per tree depth and output tokens/s for target-only and DDTree decoding, and
-exits with status 1 unless greedy DDTree output equals target-only output token for token on
-every prompt.
+Runs the trained tiny pair shipped in ``models/`` (a 5 M-parameter Qwen3 target trained on the
+Python standard library, and its DFlash drafter) on code prompts from standard-library modules
+held out of training, with four engines: target-only decoding, vLLM's own DFlash chain, DDTree
+with ``"ddtree_budget": "auto"`` and DDTree with one fixed node budget B. Each engine decodes the
+prompts one at a time (batch 1) and all at once (batch 8), interleaved in rounds so that a slow
+spell of the machine hits every engine alike. Prints, per batch size, the acceptance length τ,
+tokens/s and the ratios to target-only and to DFlash, whether greedy output is identical to
+target-only, and one closing sentence drawn from those numbers. Exits 1 unless greedy DDTree
+output (``auto`` and fixed B) equals target-only output token for token (fp32).
 
-``--target``/``--drafter`` run other models (e.g. the random test fixtures); ``--oracle-drafts``
-replaces the drafter's distributions by ones built from the target's own greedy continuation
-(the test-only oracle of ``tests/support/oracle_drafts.py``, in-process engine) — the mechanism,
-not a drafter's quality.
-``--dflash`` adds vLLM's own DFlash chain method with the same drafter.
-
-Example::
-
-    python examples/generate.py --budget 32 --max-tokens 96
+    python examples/generate.py                 # about 2 minutes on 2 CPU cores
+    python examples/generate.py --budget 32 --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
 
-# The trained pair's paths, the tiny-model engine settings and the oracle drafts are test support
-# (tests/support in the source checkout), not part of the installed package.
-sys.path.append(str(Path(__file__).resolve().parents[1]))
+MODELS = Path(__file__).resolve().parents[1] / "models"
+TARGET = MODELS / "pystdlib-qwen3"
+DRAFTER = MODELS / "pystdlib-qwen3-dflash"
+PROMPTS = MODELS / "heldout_prompts.json"
+
+#: Speed differences below this are within the run-to-run noise of a shared 2-core machine.
+NOISE = 0.03
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", help="target model directory (default: the trained pair's target)")
-    p.add_argument("--drafter", help="DFlash drafter directory (default: the trained pair's drafter)")
-    p.add_argument("--budget", type=int, default=32, help="ddtree_budget: node budget B")
+    p.add_argument("--target", default=str(TARGET), help="target model directory")
+    p.add_argument("--drafter", default=str(DRAFTER), help="DFlash drafter directory")
+    p.add_argument("--budget", type=int, default=16, help="the fixed node budget B to compare")
     p.add_argument("--horizon", type=int, default=None,
                    help="num_speculative_tokens: drafter horizon L (default block_size - 1)")
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--num-prompts", type=int, default=8, help="held-out prompts to run (max 16)")
+    p.add_argument("--configs", nargs="+", default=["dflash", "auto", "fixed"],
+                   choices=["dflash", "auto", "fixed"],
+                   help="engines besides target-only (always run: it is the reference)")
+    p.add_argument("--batch", type=int, default=8, help="the batch size compared with batch 1")
+    p.add_argument("--num-prompts", type=int, default=8, help="held-out prompts (max 16)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; replaces the held-out ones)")
-    p.add_argument("--dflash", action="store_true", help="also run vLLM's DFlash chain method")
-    p.add_argument("--oracle-drafts", action="store_true",
-                   help="inject draft distributions from the target's own continuation")
-    p.add_argument("--quiet", action="store_true", help="do not print the completions")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved measured rounds")
+    p.add_argument("--show", action="store_true", help="print DDTree's completions")
     return p.parse_args(argv)
 
 
-def spec_counts(llm) -> tuple[int, int, list[int]]:
-    """vLLM's cumulative spec-decode counters: (drafts, accepted tokens, accepted per position)."""
-    drafts = accepted = 0
-    per_pos: list[int] = []
-    for m in llm.get_metrics():
-        if m.name == "vllm:spec_decode_num_drafts":
-            drafts = int(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens":
-            accepted = int(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            per_pos = [int(v) for v in m.values]
-    return drafts, accepted, per_pos
+def engine_kwargs(target: str, batch: int, spec: dict | None) -> dict:
+    """The settings every number of this project was measured with: fp32 (greedy output is
+    then exact token for token), no torch.compile, spec-decode counters on."""
+    kwargs = dict(model=target, dtype="float32", enforce_eager=True, max_model_len=1024,
+                  max_num_seqs=max(8, batch), seed=0, disable_log_stats=False)
+    if spec is not None:
+        kwargs["speculative_config"] = spec
+    import torch
+
+    if torch.cuda.is_available():
+        kwargs["gpu_memory_utilization"] = 0.2  # four engines share one GPU
+    return kwargs
 
 
-def timed_generate(llm, prompts, params):
-    """Generate; returns (outputs, spec-decode deltas (drafts, accepted, per_pos), output tokens, s)."""
-    d0, a0, p0 = spec_counts(llm)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    d1, a1, p1 = spec_counts(llm)
-    p0 = p0 + [0] * (len(p1) - len(p0))
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    return outs, (d1 - d0, a1 - a0, [b - a for a, b in zip(p0, p1)]), n, dt
+def configs(args) -> list[tuple[str, dict | None]]:
+    block = json.loads((Path(args.drafter) / "config.json").read_text())["block_size"]
+    horizon = args.horizon or block - 1
+    ddtree = {"method": "ddtree", "model": args.drafter, "num_speculative_tokens": horizon}
+    out = [("target-only", None)]
+    if "dflash" in args.configs:
+        out.append(("DFlash", {"method": "dflash", "model": args.drafter,
+                               "num_speculative_tokens": horizon}))
+    if "auto" in args.configs:
+        out.append(("DDTree auto", {**ddtree, "ddtree_budget": "auto"}))
+    if "fixed" in args.configs:
+        out.append((f"DDTree B={args.budget}", {**ddtree, "ddtree_budget": args.budget}))
+    return out
 
 
-def tau_of(drafts: int, accepted: int) -> float:
-    return (accepted + drafts) / drafts if drafts else float("nan")
+class SpecStats:
+    """One engine's spec-decode figures, summed from the per-step stats vLLM hands its stat
+    loggers: the numbers behind the server's ``vllm:spec_decode_*`` and ``vllm:ddtree_*``
+    series. (``llm.get_metrics()`` reads one Prometheus registry per process, which each new
+    engine takes over; this job keeps four engines alive.)"""
+
+    FIELDS = ("num_drafts", "num_accepted_tokens", "tree_builds", "auto_trees", "auto_nodes",
+              "auto_unprofitable_steps")
+
+    def __init__(self, llm):
+        self.sums = dict.fromkeys(self.FIELDS, 0)
+        manager = llm.llm_engine.logger_manager
+        record = manager.record
+
+        def counted(*args, scheduler_stats=None, **kwargs):
+            spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+            for key in self.FIELDS if spec is not None else ():
+                self.sums[key] += getattr(spec, key, 0)  # DDTree's fields: 0 for DFlash
+            return record(*args, scheduler_stats=scheduler_stats, **kwargs)
+
+        manager.record = counted
+
+    def snapshot(self) -> dict:
+        return dict(self.sums)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if args.oracle_drafts:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the oracle is installed in this process
+    if args.batch < 2:
+        raise SystemExit("--batch must be at least 2 (batch 1 is always run)")
+    # Engines in this process, as the benchmarks measure them (no two processes to spawn per
+    # engine); 1 GiB of KV cache each on a CPU; vLLM's INFO lines off (VLLM_LOGGING_LEVEL=INFO
+    # brings them back).
+    for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1"),
+                       ("VLLM_LOGGING_LEVEL", "WARNING"), ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(key, value)
     from vllm import LLM, SamplingParams
 
-    from tests.support import trained
-    from tests.support.models import llm_kwargs, read_config, release_llm
-    from tests.support.oracle_drafts import OracleDrafts, injected_drafts
-
-    target, drafter = args.target, args.drafter
-    if target is None or drafter is None:
-        t_dir, d_dir = trained.require()
-        target, drafter = target or str(t_dir), drafter or str(d_dir)
-    prompts = args.prompt or trained.heldout_prompts(args.num_prompts)
+    prompts = args.prompt or json.loads(PROMPTS.read_text())["prompts"][:args.num_prompts]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    print(f"target {target}\ndrafter {drafter}\n{len(prompts)} prompts, {args.max_tokens} tokens each, greedy")
+    groups = {1: [[p] for p in prompts], args.batch: [prompts]}  # batch -> prompt groups
+    print(f"target {args.target}\ndrafter {args.drafter}\n{len(prompts)} prompts × "
+          f"{args.max_tokens} tokens, greedy, fp32; batch 1 and batch {args.batch}; "
+          f"{args.rounds} interleaved rounds", flush=True)
 
-    llm = LLM(**llm_kwargs(target))
-    timed_generate(llm, prompts[:1], params)  # warm-up
-    ref, _, n_ref, t_ref = timed_generate(llm, prompts, params)
-    release_llm(llm)
-    del llm
+    t_start = time.perf_counter()
+    engines = []  # (name, llm, SpecStats)
+    for name, spec in configs(args):
+        t0 = time.perf_counter()
+        llm = LLM(**engine_kwargs(args.target, args.batch, spec))
+        for group in (g for group_list in groups.values() for g in group_list):
+            llm.generate(group, params, use_tqdm=False)  # warm-up: auto learns its step costs
+        engines.append((name, llm, SpecStats(llm)))
+        print(f"{name} engine ready ({time.perf_counter() - t0:.0f} s)", flush=True)
 
-    rows = [("target-only", n_ref, t_ref, 1.0, [])]
-    runs = []
-    if args.dflash:
-        L = read_config(drafter)["block_size"] - 1
-        runs.append(("DFlash chain (vLLM)", {"method": "dflash", "model": drafter, "num_speculative_tokens": L}))
-    spec = {"method": "ddtree", "model": drafter, "ddtree_budget": args.budget}
-    runs.append((f"DDTree B={args.budget}", spec))
-    same = True
-    for label, spec in runs:
-        if args.horizon is not None:
-            spec["num_speculative_tokens"] = args.horizon
-        llm = LLM(**llm_kwargs(target, speculative_config=spec))
-        timed_generate(llm, prompts[:1], params)  # warm-up
-        if args.oracle_drafts and spec["method"] == "ddtree":
-            refs = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in ref}
-            with injected_drafts(OracleDrafts(refs)):
-                out, (drafts, accepted, per_pos), n, t = timed_generate(llm, prompts, params)
-        else:
-            out, (drafts, accepted, per_pos), n, t = timed_generate(llm, prompts, params)
-        release_llm(llm)
-        del llm
-        rate = [c / drafts for c in per_pos] if drafts else []
-        rows.append((label, n, t, tau_of(drafts, accepted), rate))
-        eq = [list(r.outputs[0].token_ids) == list(o.outputs[0].token_ids) for r, o in zip(ref, out)]
-        if spec["method"] == "ddtree":
-            same = all(eq)
-            dd_out, dd_eq = out, eq
-        print(f"{label}: verification steps {drafts}, accepted draft tokens {accepted}; "
-              f"identical to target-only on {sum(eq)}/{len(eq)} prompts")
+    # (engine, batch) -> output tokens, seconds, spec-decode sums, greedy output == target-only
+    totals = {(n, b): {"tokens": 0, "seconds": 0.0, "spec": dict.fromkeys(SpecStats.FIELDS, 0),
+                       "same": True} for n, _, _ in engines for b in groups}
+    first = {}  # (engine, batch) -> the first round's token ids, prompt by prompt
+    for rnd in range(args.rounds):
+        for batch, group_list in groups.items():
+            outs = {name: [] for name, _, _ in engines}
+            for g, group in enumerate(group_list):
+                # Every engine runs this prompt group before the next one, in a shuffled order:
+                # a slow spell of the machine hits all of them alike.
+                order = list(engines)
+                random.Random(f"{rnd}/{batch}/{g}").shuffle(order)
+                for name, llm, stats in order:
+                    before, t0 = stats.snapshot(), time.perf_counter()
+                    got = llm.generate(group, params, use_tqdm=False)
+                    t = totals[(name, batch)]
+                    t["seconds"] += time.perf_counter() - t0
+                    t["tokens"] += sum(len(o.outputs[0].token_ids) for o in got)
+                    for key, value in stats.snapshot().items():
+                        t["spec"][key] += value - before[key]
+                    outs[name] += [list(o.outputs[0].token_ids) for o in got]
+            for name, _, _ in engines:
+                first.setdefault((name, batch), outs[name])
+                totals[(name, batch)]["same"] &= outs[name] == outs["target-only"]
+        print(f"round {rnd + 1} of {args.rounds} done", flush=True)
 
-    if not args.quiet:
-        for r, o, eq in zip(ref, dd_out, dd_eq):
-            print(f"\n--- prompt (last lines): {''.join(r.prompt.splitlines(keepends=True)[-3:])!r}")
-            print(f"    DDTree completion: {o.outputs[0].text!r}")
-            print(f"    identical to target-only: {eq}")
+    rows = {}
+    for (name, batch), t in totals.items():
+        drafts, accepted = t["spec"]["num_drafts"], t["spec"]["num_accepted_tokens"]
+        rows[(name, batch)] = {"tok_s": t["tokens"] / t["seconds"], "same": t["same"],
+                               "tau": 1 + accepted / drafts if drafts else 1.0}
+    names = [n for n, _, _ in engines]
+    print(f"\n| batch | engine | τ | tokens/s | × target-only | × DFlash | identical |")
+    print("|---|---|---|---|---|---|---|")
+    for batch in groups:
+        ar = rows[("target-only", batch)]["tok_s"]
+        dflash = rows.get(("DFlash", batch), {}).get("tok_s")
+        for name in names:
+            r = rows[(name, batch)]
+            vs_dflash = f"{r['tok_s'] / dflash:.2f}" if dflash else "—"
+            print(f"| {batch} | {name} | {r['tau']:.2f} | {r['tok_s']:.0f} | "
+                  f"{r['tok_s'] / ar:.2f} | {vs_dflash} | {'yes' if r['same'] else 'NO'} |")
     print()
-    print("| method | tokens | seconds | tokens/s | τ | acceptance at depth 1, 2, 4, 8 |")
-    print("|---|---|---|---|---|---|")
-    for label, n, t, tau, rate in rows:
-        depths = ", ".join(f"{rate[d - 1]:.2f}" for d in (1, 2, 4, 8) if d <= len(rate)) or "—"
-        print(f"| {label} | {n} | {t:.2f} | {n / t:.1f} | {tau:.2f} | {depths} |")
-    print(f"\nfront-end pid {os.getpid()}")
+    for (name, batch), t in totals.items():
+        a = t["spec"]
+        if a["auto_trees"]:  # what the controller chose, and whether it saw speculation lose
+            print(f"{name}, batch {batch}: mean node budget {a['auto_nodes'] / a['auto_trees']:.1f}; "
+                  f"target-only predicted faster in {a['auto_unprofitable_steps']} of "
+                  f"{a['tree_builds']} steps"
+                  + (" -- auto's warning: consider turning speculative decoding off here"
+                     if a["auto_unprofitable_steps"] > a["tree_builds"] / 2 else ""))
+    print("\n" + verdict(rows, names, list(groups)))
+    if args.show:
+        tokenizer = engines[0][1].get_tokenizer()
+        for prompt, out in zip(prompts, first[(names[-1], 1)]):
+            print(f"\n--- prompt ending {prompt.splitlines()[-1]!r}\n{tokenizer.decode(out)}")
+
+    same = all(rows[(n, b)]["same"] for n in names if n.startswith("DDTree") for b in groups)
+    print(f"\nwall time {time.perf_counter() - t_start:.0f} s; front-end pid {os.getpid()}")
     print("greedy DDTree output identical to target-only:", same)
+    for _, llm, _ in engines:
+        llm.llm_engine.engine_core.shutdown()
     return 0 if same else 1
+
+
+def verdict(rows: dict, names: list[str], batches: list[int]) -> str:
+    """One sentence on where speculation pays, from the measured table."""
+    spec_names = [n for n in names if n != "target-only"]
+    if not spec_names:
+        return "Only target-only decoding was run."
+    parts, slow = [], []
+    for b in batches:
+        ar = rows[("target-only", b)]["tok_s"]
+        best = max(spec_names, key=lambda n: rows[(n, b)]["tok_s"])
+        ratio = rows[(best, b)]["tok_s"] / ar
+        word = ("pays" if ratio >= 1 + NOISE else "is even with target-only"
+                if ratio > 1 - NOISE else "does not pay")
+        detail = f"{best} {ratio:.2f}× target-only"
+        dd = [n for n in spec_names if n.startswith("DDTree")]
+        if ("DFlash", b) in rows and dd:
+            best_dd = max(dd, key=lambda n: rows[(n, b)]["tok_s"])
+            detail += (f"; {best_dd} {rows[(best_dd, b)]['tok_s'] / rows[('DFlash', b)]['tok_s']:.2f}"
+                       f"× DFlash")
+        parts.append(f"at batch {b} speculation {word} ({detail})")
+        if ratio <= 1 - NOISE:
+            slow.append(str(b))
+    advice = (f": use target-only decoding for batch {' and '.join(slow)} on this machine"
+              if slow else "")
+    return "On this machine " + ", and ".join(parts) + advice + "."
 
 
 if __name__ == "__main__":

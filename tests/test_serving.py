@@ -37,8 +37,10 @@ def test_multiprocess_engine(qwen3_target, dflash_drafter, tmp_path):
                                  tmp_path / "drafts.json")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "generate.py"), "--target", str(qwen3_target),
-         "--drafter", str(dflash_drafter), "--budget", "40", "--max-tokens", "24"],
-        env=subprocess_env(drafts, base=_env(VLLM_ENABLE_V1_MULTIPROCESSING="1")),
+         "--drafter", str(dflash_drafter), "--budget", "40", "--max-tokens", "24",
+         "--configs", "fixed", "--rounds", "1"],
+        env=subprocess_env(drafts, base=_env(VLLM_ENABLE_V1_MULTIPROCESSING="1",
+                                              VLLM_LOGGING_LEVEL="INFO")),
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     out = proc.stdout + proc.stderr
@@ -53,9 +55,9 @@ def test_multiprocess_engine(qwen3_target, dflash_drafter, tmp_path):
     injected = {int(line.split(" in pid ")[1]) for line in out.splitlines()
                 if "tests.support: oracle drafts (V1)" in line}
     assert injected and injected <= pids, (injected, pids)
-    steps, accepted = (int(x) for x in re.search(
-        r"DDTree B=40: verification steps (\d+), accepted draft tokens (\d+)", out).groups())
-    assert accepted > 2 * steps, f"oracle drafts not accepted deeply ({accepted} in {steps} steps)"
+    # τ of the table's DDTree rows (batch 1 and batch 8): oracle drafts are accepted deeply.
+    taus = [float(t) for t in re.findall(r"^\| \d+ \| DDTree B=40 \| ([\d.]+) \|", out, re.M)]
+    assert len(taus) == 2 and min(taus) > 3, f"oracle drafts not accepted deeply (τ {taus})"
 
 
 def _free_port() -> int:
