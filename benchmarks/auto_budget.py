@@ -203,7 +203,7 @@ def report(args, rows, summary, elapsed) -> None:
     lines += ["", "Ratios are of the medians over rounds; *paired*: the median over rounds of "
               "each round's ratio (both engines ran the same prompt groups side by side in it)."]
     lines += ["", "![tokens/s against B, auto, DFlash and target-only](benchmark_auto.png)", "",
-              "Reading: docs/benchmarks.md (the notes section)."]
+              "Reading: [benchmarks.md](benchmarks.md)."]
     (out / "benchmark_auto.md").write_text("\n".join(lines) + "\n")
     (out / "benchmark_auto.json").write_text(json.dumps({
         "args": vars(args), "rows": rows, "elapsed_s": elapsed,

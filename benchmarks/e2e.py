@@ -16,9 +16,9 @@ with a random 2-layer DFlash drafter of the same width, batch 1: AR (1 token per
 the test-only oracle, so paths are accepted deep and compaction does real work). Then the
 *projected* speedup τ × t_AR / t_step with τ from part 1 — a projection, not a measurement.
 
-Writes ``docs/benchmarks.md`` (tables, target check, command; the text between the notes markers
-of an existing file is kept), ``docs/benchmark_e2e.png`` (τ and tokens/s against B) and
-``docs/benchmark_e2e.json`` (raw numbers).
+Writes ``docs/benchmark_e2e.md`` (tables, target check, command), ``docs/benchmark_e2e.png`` (τ
+and tokens/s against B) and ``docs/benchmark_e2e.json`` (raw numbers); ``docs/benchmarks.md``
+says what they mean.
 
     python benchmarks/e2e.py                      # full run, ~20 min on 2 cores
     python benchmarks/e2e.py --quick              # a few minutes: fewer budgets, prompts, tokens
@@ -36,7 +36,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGETS = (4, 8, 16, 32, 64, 128, 256)
-NOTES_BEGIN, NOTES_END = "<!-- notes -->", "<!-- /notes -->"
 
 
 def parse_args(argv=None):
@@ -466,12 +465,7 @@ def report(args, p1, p2, p2_info, elapsed):
         plot_line = f"![τ and tokens/s against B](benchmark_e2e.png)"
     except ImportError:
         plot_line = "(matplotlib not installed: `pip install -e \".[bench]\"` for the plot)"
-    md = out / "benchmarks.md"
-    notes = ""
-    if md.exists():
-        text = md.read_text()
-        if NOTES_BEGIN in text and NOTES_END in text:
-            notes = text[text.index(NOTES_BEGIN): text.index(NOTES_END) + len(NOTES_END)]
+    md = out / "benchmark_e2e.md"
     cmd = "python benchmarks/e2e.py " + " ".join(sys.argv[1:])
     head = [
         "# Benchmarks: AR vs DFlash chain vs DDTree", "",
@@ -481,7 +475,7 @@ def report(args, p1, p2, p2_info, elapsed):
         f"Columns: τ = mean acceptance length (accepted drafts + 1 per verification step, vLLM's counters); "
         f"acceptance at depth d = share of steps accepting ≥ d drafts; ms/step = wall time per engine step; "
         f"tree build / KV compaction = share of engine-step time; = AR: greedy output identical to AR.", "",
-        plot_line, "", notes or f"{NOTES_BEGIN}\n{NOTES_END}", "",
+        plot_line, "", "Reading: [benchmarks.md](benchmarks.md).", "",
     ]
     md.write_text("\n".join(head + lines) + "\n")
     (out / "benchmark_e2e.json").write_text(json.dumps({"part1": p1, "part2": p2, "args": vars(args)}, indent=1) + "\n")
