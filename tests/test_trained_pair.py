@@ -1,4 +1,4 @@
-"""The trained tiny pair shipped in ``models/`` (README "Trained tiny pair").
+"""The trained tiny pair shipped in ``models/`` (docs/trained-pair.md).
 
 Greedy DDTree output equals target-only output on held-out standard-library prompts at two node
 budgets, and the drafter really drafts: τ (from vLLM's spec-decode counters) stays above a floor

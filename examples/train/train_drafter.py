@@ -26,7 +26,7 @@ of prompts from the held-out modules — the quantity vLLM's ``dflash`` method r
 (the first 350 steps of a 1500-step schedule: the machine was shared; that run switched from 2 to
 1 torch thread at step ~210, so a rerun matches it only up to float rounding). The shipped drafter
 continues from it twice (``--init``: start from a checkpoint's weights; a new ``--seed`` draws fresh
-distillation prompts): the commands are in the top-level README ("Trained tiny pair").
+distillation prompts): the commands are in docs/trained-pair.md.
 
 The checkpoint is written by ``tests.support.models.build_dflash_drafter`` (config, tokenizer,
 weight names and shapes) and its weights then replaced by the trained ones.

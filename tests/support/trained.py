@@ -1,4 +1,4 @@
-"""The trained tiny pair shipped in the repository (``models/``), for the main job and tests.
+"""The trained tiny pair shipped in the repository (``models/``), for the tests and benchmarks.
 
 * :data:`TARGET_DIR`: ``models/pystdlib-qwen3``, a 5.25 M-parameter ``Qwen3ForCausalLM`` (fp32)
   trained on the Python standard library (``examples/train/train_target.py``);
