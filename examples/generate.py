@@ -202,29 +202,27 @@ def main(argv=None) -> int:
 
 
 def verdict(rows: dict, names: list[str], batches: list[int]) -> str:
-    """One sentence on where speculation pays, from the measured table."""
-    spec_names = [n for n in names if n != "target-only"]
-    if not spec_names:
+    """One sentence on where speculation pays, drawn from the measured table."""
+    spec = [n for n in names if n != "target-only"]
+    ddtree = [n for n in spec if n.startswith("DDTree")]
+    if not spec:
         return "Only target-only decoding was run."
     parts, slow = [], []
     for b in batches:
-        ar = rows[("target-only", b)]["tok_s"]
-        best = max(spec_names, key=lambda n: rows[(n, b)]["tok_s"])
-        ratio = rows[(best, b)]["tok_s"] / ar
-        word = ("pays" if ratio >= 1 + NOISE else "is even with target-only"
-                if ratio > 1 - NOISE else "does not pay")
-        detail = f"{best} {ratio:.2f}× target-only"
-        dd = [n for n in spec_names if n.startswith("DDTree")]
-        if ("DFlash", b) in rows and dd:
-            best_dd = max(dd, key=lambda n: rows[(n, b)]["tok_s"])
-            detail += (f"; {best_dd} {rows[(best_dd, b)]['tok_s'] / rows[('DFlash', b)]['tok_s']:.2f}"
-                       f"× DFlash")
-        parts.append(f"at batch {b} speculation {word} ({detail})")
+        tok_s = {n: rows[(n, b)]["tok_s"] for n in names}
+        best = max(spec, key=tok_s.get)
+        ratio = tok_s[best] / tok_s["target-only"]
+        word = ("pays" if ratio >= 1 + NOISE else "breaks even" if ratio > 1 - NOISE
+                else "does not pay")
+        detail = f"best: {best}, {ratio:.2f}× target-only"
+        if "DFlash" in tok_s and ddtree:
+            best_dd = max(ddtree, key=tok_s.get)
+            detail += f"; {best_dd} {tok_s[best_dd] / tok_s['DFlash']:.2f}× DFlash"
+        parts.append(f"{word} at batch {b} ({detail})")
         if ratio <= 1 - NOISE:
             slow.append(str(b))
-    advice = (f": use target-only decoding for batch {' and '.join(slow)} on this machine"
-              if slow else "")
-    return "On this machine " + ", and ".join(parts) + advice + "."
+    advice = (f": use target-only decoding at batch {' and '.join(slow)} here" if slow else "")
+    return "On this machine speculation " + " and ".join(parts) + advice + "."
 
 
 if __name__ == "__main__":
