@@ -10,7 +10,7 @@ tokens/s and the ratios to target-only and to DFlash, whether greedy output is i
 target-only, and one closing sentence drawn from those numbers. Exits 1 unless greedy DDTree
 output (``auto`` and fixed B) equals target-only output token for token (fp32).
 
-    python examples/generate.py                 # about 2 minutes on 2 CPU cores
+    python examples/generate.py                 # about 1.5 minutes on 2 CPU cores
     python examples/generate.py --budget 32 --rounds 5
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import sys
@@ -56,7 +57,8 @@ def engine_kwargs(target: str, batch: int, spec: dict | None) -> dict:
     """The settings every number of this project was measured with: fp32 (greedy output is
     then exact token for token), no torch.compile, spec-decode counters on."""
     kwargs = dict(model=target, dtype="float32", enforce_eager=True, max_model_len=1024,
-                  max_num_seqs=max(8, batch), seed=0, disable_log_stats=False)
+                  max_num_seqs=max(8, batch), seed=0, disable_log_stats=False,
+                  use_tqdm_on_load=False)
     if spec is not None:
         kwargs["speculative_config"] = spec
     import torch
@@ -112,11 +114,21 @@ def main(argv=None) -> int:
     if args.batch < 2:
         raise SystemExit("--batch must be at least 2 (batch 1 is always run)")
     # Engines in this process, as the benchmarks measure them (no two processes to spawn per
-    # engine); 1 GiB of KV cache each on a CPU; vLLM's INFO lines off (VLLM_LOGGING_LEVEL=INFO
-    # brings them back).
+    # engine); 1 GiB of KV cache each on a CPU.
     for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1"),
-                       ("VLLM_LOGGING_LEVEL", "WARNING"), ("TOKENIZERS_PARALLELISM", "false")):
+                       ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(key, value)
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        # Four engines' worth of vLLM's start-up warnings would bury the table: vLLM's own lines
+        # only from ERROR up, DDTree's from WARNING up (among them auto's advice to turn
+        # speculation off). vLLM reconfigures its logger for every engine, not this one.
+        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        ddtree_log = logging.getLogger("vllm.ddtree")
+        ddtree_log.addHandler(handler)
+        ddtree_log.setLevel(logging.WARNING)
+        ddtree_log.propagate = False
     from vllm import LLM, SamplingParams
 
     prompts = args.prompt or json.loads(PROMPTS.read_text())["prompts"][:args.num_prompts]
