@@ -118,17 +118,14 @@ def main(argv=None) -> int:
     for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1"),
                        ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(key, value)
-    if "VLLM_LOGGING_LEVEL" not in os.environ:
+    if not {"VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING"} & set(os.environ):
         # Four engines' worth of vLLM's start-up warnings would bury the table: vLLM's own lines
         # only from ERROR up, DDTree's from WARNING up (among them auto's advice to turn
-        # speculation off). vLLM reconfigures its logger for every engine, not this one.
-        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        ddtree_log = logging.getLogger("vllm.ddtree")
-        ddtree_log.addHandler(handler)
-        ddtree_log.setLevel(logging.WARNING)
-        ddtree_log.propagate = False
+        # speculation off). vLLM would reset these levels for every engine it configures.
+        os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("vllm").setLevel(logging.ERROR)
+        logging.getLogger("vllm.ddtree").setLevel(logging.WARNING)
     from vllm import LLM, SamplingParams
 
     prompts = args.prompt or json.loads(PROMPTS.read_text())["prompts"][:args.num_prompts]
