@@ -10,7 +10,7 @@ tokens/s and the ratios to target-only and to DFlash, whether greedy output is i
 target-only, and one closing sentence drawn from those numbers. Exits 1 unless greedy DDTree
 output (``auto`` and fixed B) equals target-only output token for token (fp32).
 
-    python examples/generate.py                 # about 1.5 minutes on 2 CPU cores
+    python examples/generate.py                 # 1.5-2 minutes on 2 CPU cores
     python examples/generate.py --budget 32 --rounds 5
 """
 
