@@ -10,7 +10,8 @@ read with the ``cuobjdump`` that ships with Triton.
 The kernel's signature is specialised exactly as a launch would (Triton's own binder: ints equal
 to 1 become constants, pointers and ints divisible by 16 get the divisibility attribute), with
 :class:`triton.runtime.jit.MockTensor` in place of tensors (data pointer 0, i.e. 16-byte
-aligned, as vLLM's caches and activations are).
+aligned, as vLLM's caches and activations are). The binder and ``JITFunction._pack_args`` are
+Triton 3.9's internals (the version the ``cpu`` extra pins); another Triton may move them.
 
 Compile in processes that never had ``TRITON_INTERPRET`` set (:func:`compile_all`): under the
 interpreter ``@triton.jit`` gives interpreted functions, which do not lower to GPU code.
