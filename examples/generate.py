@@ -113,6 +113,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.batch < 2:
         raise SystemExit("--batch must be at least 2 (batch 1 is always run)")
+    for flag, value in (("--rounds", args.rounds), ("--num-prompts", args.num_prompts),
+                        ("--max-tokens", args.max_tokens), ("--budget", args.budget)):
+        if value < 1:  # before any engine is built
+            raise SystemExit(f"{flag} must be at least 1, got {value}")
     # Engines in this process, as the benchmarks measure them (no two processes to spawn per
     # engine); 1 GiB of KV cache each on a CPU.
     for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1"),
@@ -130,7 +134,12 @@ def main(argv=None) -> int:
 
     prompts = args.prompt or json.loads(PROMPTS.read_text())["prompts"][:args.num_prompts]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    groups = {1: [[p] for p in prompts], args.batch: [prompts]}  # batch -> prompt groups
+    if len(prompts) < args.batch:
+        raise SystemExit(f"--batch {args.batch} needs at least {args.batch} prompts, got "
+                         f"{len(prompts)} (--num-prompts, --prompt)")
+    # batch -> prompt groups of that size (a short last group runs as a smaller batch)
+    groups = {1: [[p] for p in prompts],
+              args.batch: [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]}
     print(f"target {args.target}\ndrafter {args.drafter}\n{len(prompts)} prompts × "
           f"{args.max_tokens} tokens, greedy, fp32; batch 1 and batch {args.batch}; "
           f"{args.rounds} interleaved rounds", flush=True)
@@ -202,9 +211,13 @@ def main(argv=None) -> int:
         for prompt, out in zip(prompts, first[(names[-1], 1)]):
             print(f"\n--- prompt ending {prompt.splitlines()[-1]!r}\n{tokenizer.decode(out)}")
 
-    same = all(rows[(n, b)]["same"] for n in names if n.startswith("DDTree") for b in groups)
+    ddtree = [n for n in names if n.startswith("DDTree")]
+    same = all(rows[(n, b)]["same"] for n in ddtree for b in groups)
     print(f"\nwall time {time.perf_counter() - t_start:.0f} s; front-end pid {os.getpid()}")
-    print("greedy DDTree output identical to target-only:", same)
+    if ddtree:
+        print("greedy DDTree output identical to target-only:", same)
+    else:
+        print("no DDTree engine ran (--configs); nothing to compare")
     for _, llm, _ in engines:
         llm.llm_engine.engine_core.shutdown()
     return 0 if same else 1
