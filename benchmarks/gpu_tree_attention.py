@@ -225,7 +225,7 @@ def benchmark(device: str, smoke: bool, args) -> str:
         c = choose_tree_kernel_config(dt, d, h // hkv, budget + 1, limit)
         lines.insert(1 + i, f"B={budget}: block_m {c.block_m}, tile_n {c.tile_n}, "
                             f"{c.num_warps} warps, {c.num_stages} stages (the engine's choice; "
-                            f"shared memory per block {limit})")
+                            f"shared memory per block {limit or 'unlimited (interpreter)'})")
     for batch in batches:
         for ctx in contexts:
             common = dict(num_heads=h, num_kv_heads=hkv, head_size=d, block_size=bs, dtype=dt,

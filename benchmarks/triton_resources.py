@@ -15,7 +15,7 @@ and prints a markdown table of shared memory per program (bytes), registers per 
 per thread spilled to local memory, a measured proxy for speed until a GPU runs the kernels.
 Run from the repository root (about 5 minutes on 2 cores)::
 
-    python benchmarks/triton_resources.py --out docs/cuda_kernel_resources_table.md
+    python benchmarks/triton_resources.py            # the table of docs/cuda_kernel_resources.md
 """
 
 from __future__ import annotations

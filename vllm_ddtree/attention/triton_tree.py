@@ -746,7 +746,8 @@ def choose_tree_kernel_config(
                 f"DDTree's CUDA tree-attention kernel needs {need} bytes of shared memory per "
                 f"block for head_size={head_size}, dtype={str(dtype).removeprefix('torch.')}, "
                 f"GQA group {group} (its smallest tiles: {block_m} rows x 16 keys); this GPU "
-                f"allows {shared_limit}"
+                f"allows {shared_limit}. A 16-bit --dtype halves the tiles' bytes; otherwise "
+                "use a GPU with more shared memory per block"
             )
     wide = block_m * tile_n >= 2048 or block_m * head_pad >= 8192
     num_warps = 8 if element_size < 4 and wide else 4
