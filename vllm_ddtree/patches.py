@@ -143,10 +143,11 @@ def apply_patches() -> int:
     """
     integration.verify_installed()
     platform = "cpu" if _on_cpu() else "cuda"
+    version = integration.installed_vllm_version()
     count = 0
     for change in integration.entries("patch"):
-        if platform not in change.platforms:
-            continue
+        if platform not in change.platforms or not change.present(version, platform):
+            continue  # another platform's, or gone in this vLLM (V1's in 0.34)
         if change.make_wrapper is None:
             raise KeyError(f"register entry {change.target} has no patch bound to it")
         count += _install(change.module, change.qualname, change.make_wrapper)

@@ -8,6 +8,10 @@ process. :func:`run_v2` writes a JSON *spec*, runs this file as a script and ret
 Spec (all keys but ``configs`` optional)::
 
     {"v2": true,                 # false: a plain V1 subprocess (no harness), for comparisons
+     "vllm_overlay": null,       # a folder put first on PYTHONPATH: another vLLM's sources
+                                 # (tests.support.vllm034.overlay(): vLLM 0.34.0)
+     "accept_vllm": null,        # "0.34.0": the plugin's version fence opened for that version
+                                 # in the subprocess only (experiments; test-only)
      "cuda_recurrent": false,    # true: GDN / Mamba2 layers on their CUDA code path, vLLM's
                                  # Triton kernels interpreted (tests.support.cuda_recurrent)
      "configs": [{
@@ -37,6 +41,8 @@ Spec (all keys but ``configs`` optional)::
 Result::
 
     {"v2": true, "expected_runner": "vllm.v1.worker.cpu.model_runner.CPUModelRunner",
+     "vllm_version": "0.32.0+cpu",
+     "plugin": {"path": "/…/vllm_ddtree", "modules": ["vllm_ddtree", ...]},
      "configs": [{"name": ..., "runners": ["<module>.<class>" per worker],
                   "token_ids": [[...] per prompt], "prompt_lens": [int per prompt],
                   "prompt_token_ids": [[...] per prompt],
@@ -104,11 +110,14 @@ class V2RunError(RuntimeError):
 # ----------------------------------------------------------------------------- parent side
 
 
-def subprocess_env(v2: bool = True, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for a child process: repo root (and for V2 the harness site dir) first on
+def subprocess_env(v2: bool = True, extra: dict[str, str] | None = None,
+                   vllm_overlay: str | os.PathLike | None = None) -> dict[str, str]:
+    """Environment for a child process: repo root (and for V2 the harness site dir, and
+    ``vllm_overlay``: another vLLM's sources, ahead of the installed one) first on
     ``PYTHONPATH``; with ``v2=False`` the V2 switches inherited from pytest are removed."""
     env = dict(os.environ)
-    paths = ([str(V2_SITE)] if v2 else []) + [str(REPO_ROOT)]
+    paths = (([str(V2_SITE)] if v2 else []) + ([str(vllm_overlay)] if vllm_overlay else [])
+             + [str(REPO_ROOT)])
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
@@ -141,7 +150,8 @@ def run_v2(spec: dict[str, Any], timeout: float = 600, *, env: dict[str, str] | 
         spec_path.write_text(json.dumps(spec))
         cmd = [sys.executable, str(Path(__file__).resolve()), str(spec_path), str(out_path)]
         # Own process group: on a timeout the engine's spawned workers die with it.
-        proc = subprocess.Popen(cmd, env=subprocess_env(v2, env), cwd=str(REPO_ROOT),
+        proc = subprocess.Popen(cmd, env=subprocess_env(v2, env, spec.get("vllm_overlay")),
+                                cwd=str(REPO_ROOT),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         try:
@@ -353,6 +363,32 @@ def _run_config(i: int, cfg: dict[str, Any], expected_runner: str,
     return res
 
 
+def _vllm_version() -> str:
+    """The version of the vLLM this process imported (``0.34.0+cpu`` under the overlay)."""
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def _plugin() -> dict[str, Any]:
+    """Which vllm_ddtree this process runs (its folder) and which of its modules it imported
+    (on vLLM 0.34 none of Model Runner V1's: ``runners.v1`` state aside, no ``proposer``)."""
+    import vllm_ddtree
+
+    return {"path": str(Path(vllm_ddtree.__file__).resolve().parent),
+            "modules": sorted(m for m in sys.modules if m.startswith("vllm_ddtree"))}
+
+
+def _accept_vllm(version: str) -> None:
+    """Open the plugin's version fence for ``version`` in this process (test-only, before vLLM
+    or the plugin is loaded): an experiment on a release the plugin still refuses."""
+    import vllm_ddtree
+    import vllm_ddtree.integration as integration
+
+    versions = tuple(vllm_ddtree.SUPPORTED_VLLM_VERSIONS) + (version,)
+    vllm_ddtree.SUPPORTED_VLLM_VERSIONS = integration.SUPPORTED_VLLM_VERSIONS = versions
+
+
 def main(argv: list[str]) -> int:
     """``v2_run.py SPEC.json OUT.json``: install the harness (V2) before vLLM, run every config."""
     spec = json.loads(Path(argv[0]).read_text())
@@ -363,6 +399,8 @@ def main(argv: list[str]) -> int:
         from tests.support.v2_cpu import install
 
         install()
+    if spec.get("accept_vllm"):
+        _accept_vllm(spec["accept_vllm"])
     from tests.support.models import apply_cpu_test_env
 
     apply_cpu_test_env()
@@ -376,7 +414,9 @@ def main(argv: list[str]) -> int:
         results.append(_run_config(i, cfg, expected, results))
         # Written after every config: a later crash (or timeout) keeps the finished ones.
         tmp = Path(argv[1] + ".tmp")
-        tmp.write_text(json.dumps({"v2": v2, "expected_runner": expected, "configs": results}))
+        tmp.write_text(json.dumps({"v2": v2, "expected_runner": expected,
+                                   "vllm_version": _vllm_version(), "plugin": _plugin(),
+                                   "configs": results}))
         os.replace(tmp, argv[1])
     return 0
 

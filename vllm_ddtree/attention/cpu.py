@@ -42,7 +42,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.v1.attention.backend import AttentionLayer, AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
@@ -51,6 +50,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadata,
 )
 
+from vllm_ddtree import integration
 from vllm_ddtree.attention.common import (
     TreeAttentionBatch,
     TreeAttentionRequest,
@@ -79,6 +79,11 @@ ONE_CALL_ISAS: tuple[str, ...] = VERIFIED_ISAS
 #: shape, 28 layers, bf16, an 800-token prompt, the random drafter's trees), tree attention per
 #: step one call / chain by chain: B = 16 28 / 17.5 ms, B = 32 51 / 54 ms, B = 64 83 / 121 ms.
 LOW_PRECISION_ONE_CALL_MIN_ROWS = 33
+
+#: vLLM's CPU op wrappers (moved from ``vllm._custom_ops`` to ``vllm._cpu_ops`` in 0.34).
+ops = integration.cpu_ops()
+#: KV cache dtypes that are not quantized (0.34 dropped the impl's ``is_fp8_kv_cache``).
+_UNQUANTIZED_KV = ("auto", "bfloat16", "float16", "float32")
 
 
 def off_spine_rows(ancestor_mask: torch.Tensor) -> torch.Tensor:
@@ -524,7 +529,7 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
             unsupported.append(f"logits soft cap ({self.logits_soft_cap})")
         if self.sinks is not None:
             unsupported.append("attention sinks")
-        if self.is_fp8_kv_cache:
+        if self.kv_cache_dtype not in _UNQUANTIZED_KV:
             unsupported.append(f"fp8 KV cache ({self.kv_cache_dtype})")
         if not attn_metadata.causal and attn_metadata.dynamic_causal is None:
             unsupported.append("non-causal attention metadata")

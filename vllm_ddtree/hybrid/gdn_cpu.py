@@ -122,7 +122,9 @@ def tree_spec_forward(
     conv_inputs = mixed_qkv_spec.clone()  # kept for the commit after verification
     conv_out = decode_conv(layer, mixed_qkv_spec, windows, unpacked_conv_weight)
 
-    import vllm._custom_ops as ops
+    from vllm_ddtree.integration import cpu_ops
+
+    ops = cpu_ops()
 
     query, key, value = layer.rearrange_mixed_qkv(conv_out)  # each [1, T, heads, dim]
     a_spec, b_spec = a_spec.clone(), b_spec.clone()  # kept for the replay after verification
