@@ -19,10 +19,11 @@ The register is checked when the plugin is installed (:func:`verify_installed`, 
 :func:`vllm_ddtree.patches.apply_patches` before anything is patched): each target of the
 installed vLLM version and platform must exist and its live :func:`inspect.signature` must match
 the recorded one, else :class:`UnsupportedVLLMVersion` names every symbol that differs with the
-expected and the found signature. The same register is checked against vLLM's Python sources
-without importing them (:func:`check_sources`, :mod:`ast`), which is how a vLLM version that
-cannot be installed on this machine (0.33.0 has no CPU build) is checked
-(``tests/test_vllm_033_compat.py``).
+expected and the found signature. A target may be :data:`ABSENT` in a version (Model Runner V1's
+modules in 0.34): it must then not exist there, and it is neither patched nor used. The same
+register is checked against vLLM's Python sources without importing them (:func:`check_sources`,
+:mod:`ast`), which is how a vLLM version that cannot be installed on this machine (0.33.0 has no
+CPU build) is checked (``tests/test_vllm_033_compat.py``, ``tests/test_vllm_034.py``).
 
 Patches are bound to their entry by :func:`vllm_ddtree.patches.patch`, which also feeds the
 register: a patch of a target not listed below adds its own entry (its ``why=`` and

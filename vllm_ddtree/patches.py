@@ -13,7 +13,9 @@ Front end (process that builds the config / accepts requests):
   * ``Scheduler.make_spec_decoding_stats`` (engine core) and ``PrometheusStatLogger.__init__``:
     spec-decode counters per tree depth, sized by the drafter horizon L
     (:mod:`vllm_ddtree.metrics`).
-Worker (V1 model runner, ``vllm/v1/worker/gpu_model_runner.py``; the CPU runner subclasses it):
+Worker (V1 model runner, ``vllm/v1/worker/gpu_model_runner.py``; the CPU runner subclasses it;
+vLLM 0.32 and 0.33 only: 0.34 deleted V1, the register marks these targets absent there and
+:func:`apply_patches` skips them):
   * ``GPUModelRunner.__init__``: build :class:`~vllm_ddtree.proposer.DDTreeProposer` where vLLM
     builds ``DFlashProposer`` (a subclass, so vLLM's ``isinstance`` checks hold).
   * ``GPUModelRunner._prepare_inputs``: lay this step's trees onto the token batch
