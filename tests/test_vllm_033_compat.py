@@ -16,73 +16,27 @@ Without network the download fails: the test fails when ``CI`` is set, and is sk
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import tarfile
 import urllib.error
-import urllib.request
 from pathlib import Path
-from urllib.parse import urljoin
 
 import pytest
 
+from tests.support.vllm034 import fetch_sdist
 from vllm_ddtree import SUPPORTED_VLLM_VERSIONS, integration
 from vllm_ddtree.integration import Change, both
 
 VERSION = "0.33.0"
 #: sha256 of vllm-0.33.0.tar.gz on PyPI (a release file never changes).
 SDIST_SHA256 = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
-PYPI = "https://pypi.org/pypi/vllm"
 CACHE = Path(os.environ.get("VLLM_DDTREE_CACHE", "~/.cache/vllm-ddtree")).expanduser()
 NOT_VLLM = {"torch.cpu:_is_amx_tile_supported", "torch.cpu:_is_avx512_bf16_supported"}
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _sdist_release() -> tuple[str, str]:
-    """``(url, sha256)`` of the 0.33.0 sdist from PyPI's JSON API (the per-release document,
-    else the project document's ``releases``)."""
-    for url in (f"{PYPI}/{VERSION}/json", f"{PYPI}/json"):
-        try:
-            with urllib.request.urlopen(url, timeout=60) as r:
-                meta = json.load(r)
-        except urllib.error.HTTPError as e:
-            if e.code == 404:
-                continue
-            raise
-        files = meta["urls"] if url.endswith(f"{VERSION}/json") else meta["releases"][VERSION]
-        for f in files:
-            if f["packagetype"] == "sdist":
-                return urljoin(url, f["url"]), f["digests"]["sha256"]
-    raise RuntimeError(f"PyPI lists no sdist for vllm {VERSION}")
-
-
 def _fetch_sdist() -> Path:
-    """The cached sdist, downloaded and verified if missing."""
-    CACHE.mkdir(parents=True, exist_ok=True)
-    path = CACHE / f"vllm-{VERSION}.tar.gz"
-    if path.exists() and _sha256(path) == SDIST_SHA256:
-        return path
-    url, sha = _sdist_release()
-    if sha != SDIST_SHA256:
-        raise RuntimeError(f"PyPI's sha256 for vllm-{VERSION}.tar.gz is {sha}, not the pinned "
-                           f"{SDIST_SHA256}")
-    part = path.with_suffix(".part")
-    with urllib.request.urlopen(url, timeout=600) as r, open(part, "wb") as f:
-        while chunk := r.read(1 << 20):
-            f.write(chunk)
-    if _sha256(part) != sha:
-        part.unlink()
-        raise RuntimeError(f"downloaded {url} does not match sha256 {sha}")
-    part.replace(path)
-    return path
+    """The cached 0.33.0 sdist, downloaded and verified if missing."""
+    return fetch_sdist(VERSION, SDIST_SHA256)
 
 
 def _extract_python(sdist: Path) -> Path:
