@@ -70,7 +70,7 @@ def record_trees(args) -> list[tuple[np.ndarray, list[int]]]:
     apply_cpu_test_env()  # in-process engine: the proposer runs in this process
     from vllm import SamplingParams
 
-    import vllm_ddtree.proposer as proposer
+    import vllm_ddtree.runners.v1.proposer as proposer
     from tests.support import trained
     from tests.support.models import make_llm, release_llm
 

@@ -84,7 +84,7 @@ class Stages:
 
     def __init__(self):
         import vllm_ddtree.commit as commit
-        import vllm_ddtree.proposer as proposer
+        import vllm_ddtree.runners.v1.proposer as proposer
         from vllm_ddtree.attention.common import active_tree_batch
         from vllm_ddtree.attention.cpu import DDTreeCPUAttentionImpl as impl
 

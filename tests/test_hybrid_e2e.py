@@ -153,7 +153,7 @@ def test_shadow_linear_verifies_the_chain_and_measures_the_tree(hybrid, monkeypa
     spec = {"method": "ddtree", "model": str(hybrid["drafter"]), "ddtree_budget": 16,
             "num_speculative_tokens": 6, "ddtree_hybrid": "shadow_linear"}
     llm = make_llm(hybrid["target"], speculative_config=spec, **ENGINE)
-    from vllm_ddtree.proposer import DDTreeProposer
+    from vllm_ddtree.runners.v1.proposer import DDTreeProposer
 
     seen = []
     build_trees = DDTreeProposer.build_trees

@@ -174,10 +174,10 @@ def test_the_change_scanner_can_fail():
                "register_backend(AttentionBackendEnum.FLASH_ATTN, 'x')\n"
                "proc = MinPLogitsProcessor.__new__(MinPLogitsProcessor)\n"
                "    output.extra = 1\n")
-    bad = change_sites(Path("vllm_ddtree/verify.py"), snippet)
+    bad = change_sites(Path("vllm_ddtree/runners/v1/verify.py"), snippet)
     assert [b.split(": ")[1] for b in bad] == ["global swap", "env", "override",
                                                "instance attribute"]
-    # verify.py is the registered site of a bare instance, so its __new__ line passes (the
+    # runners/v1/verify.py is the registered site of a bare instance, so its __new__ line passes (the
     # helper integration.bare_instance checks the entry); models/__init__.py registers models.
     assert change_sites(Path("vllm_ddtree/models/__init__.py"),
                         "integration.register_model(arch, target)\n") == []

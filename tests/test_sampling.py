@@ -146,7 +146,7 @@ def test_naive_acceptance_rule_is_detected(ddtree_llm, target_only, monkeypatch)
     """Power check: the naive rule ``accept child c with prob min(1, p(c)/q(c))`` (q = the
     drafter's marginal), with a fresh target sample on rejection, is biased on DDTree's trees;
     the same statistics must reject it."""
-    import vllm_ddtree.verify as verify
+    import vllm_ddtree.runners.v1.verify as verify
 
     real = verify.verify_tree_step
     gen = torch.Generator().manual_seed(0)
@@ -271,7 +271,8 @@ def test_seeded_tree_noise_is_keyed_by_position():
     from vllm.v1.sample.sampler import Sampler
 
     from vllm_ddtree.tree import build_draft_tree
-    from vllm_ddtree.verify import position_seeds, sample_nodes
+    from vllm_ddtree.runners.v1.verify import sample_nodes
+    from vllm_ddtree.verify import position_seeds
 
     g = torch.Generator().manual_seed(5)
     drafter = torch.log_softmax(torch.randn(4, 64, generator=g), -1)

@@ -21,7 +21,8 @@ import pytest
 
 from tests.support.sliding_drafter import MIXED_LAYER_TYPES, make_sliding_variant, sliding_dflash_drafter
 from tests.support.v2_run import V1_RUNNER, V2_RUNNER, V2_SITE, _runner_class, run_v2, subprocess_env
-from vllm_ddtree.config import DDTreeConfigError, check_drafter_on_v1_runner
+from vllm_ddtree.config import DDTreeConfigError
+from vllm_ddtree.runners.v1.hooks import check_drafter_on_v1_runner
 from tests.support import trained
 
 WINDOW = 8

@@ -457,37 +457,6 @@ def draft_concurrency_warning(ddtree: DDTreeConfig, max_num_batched_tokens: int,
     )
 
 
-def check_drafter_on_v1_runner(drafter: str, layer_types: Any) -> None:
-    """Refuse, before the engine starts, a drafter vLLM can only run on Model Runner V2.
-
-    vLLM 0.32 gives a DFlash drafter whose ``layer_types`` mix ``"sliding_attention"`` and
-    ``"full_attention"`` one KV-cache group per attention kind, which only Model Runner V2 has
-    (``VllmConfig._get_v1_model_runner_unsupported_features``; ``qwen3_dflash.py``
-    ``_resolve_layer_attention``). Called when the engine's config selects V1.
-
-    Args:
-        drafter: ``speculative_config['model']``, for the message.
-        layer_types: the drafter config's ``layer_types`` (``None`` or a list of strings).
-
-    Raises:
-        DDTreeConfigError: some but not all layers are ``"sliding_attention"``; the message
-            names the drafter, its layer types and how to get Model Runner V2.
-    """
-    types = list(layer_types or ())
-    num_sliding = sum(t == "sliding_attention" for t in types)
-    if not 0 < num_sliding < len(types):
-        return
-    raise DDTreeConfigError(
-        f"speculative_config['model']={drafter!r} is a DFlash drafter mixing sliding-window and "
-        f"full attention (layer_types={types}); vLLM runs such drafters only on Model Runner V2 "
-        "(vLLM: 'DFlash drafters with mixed sliding/full attention require the V2 model "
-        "runner'), and this engine would run Model Runner V1. Use Model Runner V2: vLLM's default "
-        "wherever Triton runs (every CUDA GPU), or set VLLM_USE_V2_MODEL_RUNNER=1 (do not set it "
-        "to 0); a CPU-only vLLM has it only with a Triton CPU backend (triton-cpu). Or use a "
-        "drafter whose layer_types are all 'full_attention'."
-    )
-
-
 def ddtree_config_from(additional_config: Any) -> DDTreeConfig | None:
     """The DDTree settings carried in ``VllmConfig.additional_config``, or ``None``."""
     if isinstance(additional_config, Mapping) and ADDITIONAL_CONFIG_KEY in additional_config:

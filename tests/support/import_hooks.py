@@ -53,7 +53,7 @@ def after_import(name: str, callback: Callable[[ModuleType], None]) -> None:
     """Call ``callback(module)`` once module ``name`` has been executed.
 
     Args:
-        name: the module's full dotted name (e.g. ``"vllm_ddtree.proposer"``).
+        name: the module's full dotted name (e.g. ``"vllm_ddtree.runners.v1.proposer"``).
         callback: called once, with the module; at once if it is already imported.
     """
     module = sys.modules.get(name)

@@ -11,7 +11,7 @@ but the drafter's query block ``[bonus, MASK x L]`` per request.
 
 The production code has no hook: both runners build their trees in a plain method,
 ``build_trees(self, req_ids, log_probs) -> list[DraftTree]`` (V1
-:class:`vllm_ddtree.proposer.DDTreeProposer`, V2
+:class:`vllm_ddtree.runners.v1.proposer.DDTreeProposer`, V2
 :class:`vllm_ddtree.runners.v2.DDTreeSpeculator`), which :func:`install_v1` / :func:`install_v2`
 wrap from outside, feeding it the oracle's distributions instead of the drafter's.
 
@@ -162,10 +162,10 @@ def _wrap_build_trees(cls: type, query_block: Callable[[Any], tuple[Any, Any]],
 
 
 def install_v1(drafts: DraftsHook) -> Callable[[], None]:
-    """Feed ``drafts`` to every V1 :class:`vllm_ddtree.proposer.DDTreeProposer` of this process
+    """Feed ``drafts`` to every V1 :class:`vllm_ddtree.runners.v1.proposer.DDTreeProposer` of this process
     (wraps ``build_trees``; vLLM's DFlash drafter keeps the query block in ``input_ids`` /
     ``positions``); returns a function that removes it."""
-    from vllm_ddtree.proposer import DDTreeProposer
+    from vllm_ddtree.runners.v1.proposer import DDTreeProposer
 
     return _wrap_build_trees(DDTreeProposer, lambda p: (p.input_ids, p.positions), drafts)
 
@@ -276,7 +276,7 @@ def install_from_env() -> None:
                   f"{os.getpid()}", file=sys.stderr, flush=True)
         return on_import
 
-    after_import("vllm_ddtree.proposer", installer("V1", install_v1))
+    after_import("vllm_ddtree.runners.v1.proposer", installer("V1", install_v1))
     after_import("vllm_ddtree.runners.v2", installer("V2", install_v2))
 
 

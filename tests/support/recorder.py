@@ -1,7 +1,7 @@
 """Test-only: record every verified DDTree step of a V1 engine in this process.
 
-The production code has no observer. The V1 runner (``_sample`` in :mod:`vllm_ddtree.patches`)
-looks up :func:`vllm_ddtree.verify.verify_tree_step` and
+The production code has no observer. The V1 runner (``_sample`` in
+:mod:`vllm_ddtree.runners.v1.hooks`) looks up :func:`vllm_ddtree.runners.v1.verify.verify_tree_step` and
 :func:`vllm_ddtree.commit.commit_tree_step` on their modules at call time, so
 :func:`recorded_verification` wraps both from outside: verification hands over the step's target
 logits, the commit the step itself once KV compaction and the drafter-context gather are done.
@@ -62,7 +62,8 @@ class VerificationRecorder:
 @contextlib.contextmanager
 def recorded_verification() -> Iterator[VerificationRecorder]:
     """Record every DDTree verification step of the enclosed block (V1 runner, this process)."""
-    from vllm_ddtree import commit, verify
+    from vllm_ddtree import commit
+    from vllm_ddtree.runners.v1 import verify
 
     rec = VerificationRecorder()
     real_verify, real_commit = verify.verify_tree_step, commit.commit_tree_step

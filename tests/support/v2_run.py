@@ -372,7 +372,7 @@ def _vllm_version() -> str:
 
 def _plugin() -> dict[str, Any]:
     """Which vllm_ddtree this process runs (its folder) and which of its modules it imported
-    (on vLLM 0.34 none of Model Runner V1's: ``runners.v1`` state aside, no ``proposer``)."""
+    (on vLLM 0.34 none of the legacy V1 adapter's code: only ``runners.v1.register``)."""
     import vllm_ddtree
 
     return {"path": str(Path(vllm_ddtree.__file__).resolve().parent),

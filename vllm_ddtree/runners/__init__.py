@@ -1,8 +1,10 @@
 """One thin adapter per vLLM model runner.
 
 * Model Runner V2 (vLLM's default wherever Triton runs, every CUDA GPU): :mod:`.v2`.
-* The V1 runner (``vllm/v1/worker/gpu_model_runner.py``; CPU without triton-cpu, or
-  ``VLLM_USE_V2_MODEL_RUNNER=0``): its hooks are in :mod:`vllm_ddtree.patches`.
+  The primary adapter: the only runner of vLLM 0.34.
+* Model Runner V1 (``vllm/v1/worker/gpu_model_runner.py``; vLLM 0.32/0.33: CPU without
+  triton-cpu, or ``VLLM_USE_V2_MODEL_RUNNER=0``): the legacy adapter, the package :mod:`.v1`,
+  which can be deleted whole the day 0.32/0.33 support ends.
 
 vLLM chooses the runner; the plugin follows it.
 """

@@ -1,6 +1,6 @@
 """State of the V1-runner adapter: one object per DDTree engine, on vLLM's V1 model runner.
 
-The V1 hooks (:mod:`vllm_ddtree.patches`, ``GPUModelRunner`` in
+The V1 hooks (:mod:`.hooks`, ``GPUModelRunner`` in
 ``vllm/v1/worker/gpu_model_runner.py``) keep everything they carry between calls of one engine
 step here, as ``runner._ddtree``; a runner of an engine without DDTree has ``None`` there.
 """
