@@ -49,7 +49,7 @@ PARTS = {
                        ("vllm_ddtree/attention/cpu.py", "_overwrite_tree_rows")],
     "drafter": [(_RUNNER, "propose_draft_token_ids")],
     "tree build": [("vllm_ddtree/runners/v1/proposer.py", "build_trees")],
-    "sampling / verification": [(_RUNNER, "_sample"), ("vllm_ddtree/patches.py", "_sample")],
+    "sampling / verification": [(_RUNNER, "_sample"), ("vllm_ddtree/runners/v1/hooks.py", "_sample")],
     "step layout": [("vllm_ddtree/step.py", "plan_tree_step")],
     "auto: allocate": [("vllm_ddtree/runners/v1/proposer.py", "_propose_auto")],
     "auto: calibrate": [("vllm_ddtree/budget.py", "observe_trees")],

@@ -57,8 +57,8 @@ def test_fused_gdn_mtp_op_is_never_chosen_during_a_ddtree_step():
 
     patches.apply_patches()
     installed = QwenGatedDeltaNetAttention._can_use_fused_gdn_mtp_decode
-    assert installed.__code__.co_filename == patches._gdn_no_fused_mtp.__code__.co_filename
-    wrapper = patches._gdn_no_fused_mtp(lambda self, md: True)
+    assert installed.__code__.co_filename == patches.hybrid._gdn_no_fused_mtp.__code__.co_filename
+    wrapper = patches.hybrid._gdn_no_fused_mtp(lambda self, md: True)
     assert wrapper(None, None) is True
     with hybrid_tree_active(HybridTreeContext({})):
         assert wrapper(None, None) is False

@@ -3,7 +3,7 @@
 vLLM samples every request each step, also one whose prefill chunk is not its last, and undoes
 that discarded draw with ``Generator.set_offset`` — which a CPU generator refuses, killing the
 engine (``RuntimeError: CPU Generator does not use offset``). The plugin restores the generator's
-saved state instead (``patches._bookkeeping_sync``), so the request completes and its tokens do
+saved state instead (``runners.v1.hooks._bookkeeping_sync``), so the request completes and its tokens do
 not depend on how its prefill was chunked.
 """
 

