@@ -88,6 +88,15 @@ def test_impossible_budgets(dflash_drafter):
     with pytest.raises(DDTreeConfigError, match=r"ddtree_budget.*max_num_batched_tokens=32"):
         translate_speculative_config(spec(dflash_drafter, ddtree_budget=40),
                                      max_num_batched_tokens=32)
+    # From 0.33 the largest budget vLLM accepts is K + 1 < 40 (0.32: test_budgets_that_vllm_032_…).
+    for version, most in (("0.33.0", 38), ("0.34.0", 38)):
+        _, cfg = translate_speculative_config(spec(dflash_drafter, ddtree_budget=most),
+                                              max_num_batched_tokens=40, vllm_version=version)
+        assert cfg.num_verify_slots == most
+        with pytest.raises(DDTreeConfigError, match=rf"ddtree_budget'\]={most + 1} does not fit"
+                           rf".*max_num_batched_tokens=40 .*ddtree_budget <= {most}\)"):
+            translate_speculative_config(spec(dflash_drafter, ddtree_budget=most + 1),
+                                         max_num_batched_tokens=40, vllm_version=version)
 
 
 def test_requires_model():
@@ -385,9 +394,10 @@ def test_auto_default_max_shrinks_to_what_fits(dflash_drafter):
     _, cfg = translate_speculative_config(
         spec(dflash_drafter, ddtree_budget="auto", num_speculative_tokens=1), vocab_size=5)
     assert cfg.budget == 5
-    # vLLM 0.33: a 48-token step holds a tree of 47 nodes. vLLM 0.32 keeps K slots free per
-    # request for the DFlash drafter, so a whole tree needs 2K + 1 rows: 23 nodes.
-    for version, want in (("0.33.0", 47), ("0.32.0", 23)):
+    # vLLM 0.33/0.34: a 48-token step holds a tree of 46 nodes (vLLM needs K + 1 < 48: the
+    # DFlash pass queries the bonus token plus K rows). vLLM 0.32 keeps K slots free per request
+    # for the DFlash drafter, so a whole tree needs 2K + 1 rows: 23 nodes.
+    for version, want in (("0.33.0", 46), ("0.34.0", 46), ("0.32.0", 23)):
         _, cfg = translate_speculative_config(spec(dflash_drafter, ddtree_budget="auto"),
                                               max_num_batched_tokens=48, vllm_version=version)
         assert cfg.budget == want, version
@@ -415,7 +425,7 @@ def test_budgets_that_vllm_032_would_never_verify_are_refused(dflash_drafter):
                                           max_num_batched_tokens=48, vllm_version="0.32.0")
     warning = check_tree_fits_step(cfg, 48, "0.32.0")
     assert warning and "trees are cut to 15 nodes" in warning and "ddtree_budget=32" in warning
-    _, cfg = translate_speculative_config(spec(dflash_drafter, ddtree_budget=47),
+    _, cfg = translate_speculative_config(spec(dflash_drafter, ddtree_budget=46),
                                           max_num_batched_tokens=48, vllm_version="0.33.0")
     assert check_tree_fits_step(cfg, 48, "0.33.0") is None
 

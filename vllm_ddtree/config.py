@@ -286,7 +286,7 @@ def translate_speculative_config(
                                   max_num_batched_tokens, vllm_version)
     else:
         _check_fixed_budget("ddtree_budget", budget, horizon, max_children, vocab_size,
-                            max_num_batched_tokens)
+                            max_num_batched_tokens, vllm_version)
 
     ddtree = DDTreeConfig(
         drafter=model,
@@ -305,10 +305,20 @@ def translate_speculative_config(
     return vllm_spec, ddtree
 
 
+def max_verify_slots(max_num_batched_tokens: int, vllm_version: str) -> int:
+    """The largest ``num_speculative_tokens`` K vLLM accepts for a DFlash drafter with this token
+    budget: ``max_num_batched_tokens > K`` in vLLM 0.32; from 0.33 ``max_num_batched_tokens >
+    num_lookahead_tokens = K + 1`` (``VllmConfig.num_lookahead_tokens``: a DFlash pass queries
+    the bonus token plus one row per draft slot; checked in ``vllm/config/vllm.py``)."""
+    return max_num_batched_tokens - (1 if _version_tuple(vllm_version) < (0, 33) else 2)
+
+
 def _check_fixed_budget(key: str, budget: int, horizon: int, max_children: int | None,
-                        vocab_size: int | None, max_num_batched_tokens: int | None) -> None:
+                        vocab_size: int | None, max_num_batched_tokens: int | None,
+                        vllm_version: str) -> None:
     """Refuse a budget (``ddtree_budget`` or ``ddtree_max_budget``, named by ``key``) that
-    cannot be filled with distinct prefixes or cannot fit in one scheduler step."""
+    cannot be filled with distinct prefixes or that vLLM ``vllm_version`` cannot give slots in
+    one scheduler step (:func:`max_verify_slots`)."""
     if vocab_size is not None:
         fillable = count_prefixes(vocab_size, horizon, max_children, budget)
         if fillable < budget:
@@ -317,11 +327,15 @@ def _check_fixed_budget(key: str, budget: int, horizon: int, max_children: int |
                 f"draft prefixes of depth <= L={horizon} exist (vocab {vocab_size}, "
                 f"ddtree_max_children={max_children})"
             )
-    if max_num_batched_tokens is not None and budget + 1 > max_num_batched_tokens:
-        raise DDTreeConfigError(
-            f"speculative_config['{key}']={budget} needs {budget + 1} verification slots "
-            f"per request in one step, more than max_num_batched_tokens={max_num_batched_tokens}"
-        )
+    if max_num_batched_tokens is not None:
+        most = max_verify_slots(max_num_batched_tokens, vllm_version)
+        if budget > most:
+            raise DDTreeConfigError(
+                f"speculative_config['{key}']={budget} does not fit one step: with "
+                f"max_num_batched_tokens={max_num_batched_tokens} vLLM {vllm_version} gives a "
+                f"DFlash drafter at most {most} draft slots per request ({key} <= {most}); "
+                f"lower {key} or raise max_num_batched_tokens to "
+                f"{max_num_batched_tokens + budget - most}")
 
 
 def drafting_slots(num_verify_slots: int, vllm_version: str) -> int:
@@ -392,14 +406,15 @@ def _auto_max_budget(max_budget: int | None, horizon: int, max_children: int | N
     that number."""
     if max_budget is not None:
         _check_fixed_budget("ddtree_max_budget", max_budget, horizon, max_children, vocab_size,
-                            max_num_batched_tokens)
+                            max_num_batched_tokens, vllm_version)
         return max_budget
     cap = DEFAULT_MAX_BUDGET
     if vocab_size is not None:
         cap = count_prefixes(vocab_size, horizon, max_children, cap)
     if max_num_batched_tokens is not None:
         both = drafting_slots(1, vllm_version)  # 1: the drafter's slots grow with K too
-        cap = min(cap, (max_num_batched_tokens - 1) // (1 + both))
+        cap = min(cap, (max_num_batched_tokens - 1) // (1 + both),
+                  max_verify_slots(max_num_batched_tokens, vllm_version))
     if cap < 1:
         raise DDTreeConfigError(
             f"speculative_config['ddtree_budget']='auto' cannot run: max_num_batched_tokens="
