@@ -94,9 +94,17 @@ def test_impossible_budgets(dflash_drafter):
                                               max_num_batched_tokens=40, vllm_version=version)
         assert cfg.num_verify_slots == most
         with pytest.raises(DDTreeConfigError, match=rf"ddtree_budget'\]={most + 1} does not fit"
-                           rf".*max_num_batched_tokens=40 .*ddtree_budget <= {most}\)"):
+                           rf".*at most {most} draft slots.*lower ddtree_budget={most + 1} to "
+                           rf"{most} or raise max_num_batched_tokens to {most + 3}"):
             translate_speculative_config(spec(dflash_drafter, ddtree_budget=most + 1),
                                          max_num_batched_tokens=40, vllm_version=version)
+        # vLLM counts K = max(B, L): a small budget with a long horizon is refused naming L,
+        # for a fixed budget and for auto's default maximum alike.
+        for budget in (4, "auto"):
+            with pytest.raises(DDTreeConfigError, match=r"max\(ddtree_budget='?\w+'?, L=15\) = 15.*"
+                               r"lower L=15 \(the drafter horizon"):
+                translate_speculative_config(spec(dflash_drafter, ddtree_budget=budget),
+                                             max_num_batched_tokens=16, vllm_version=version)
 
 
 def test_requires_model():
@@ -201,7 +209,9 @@ def test_patches_are_idempotent_and_registered():
     # Every patch is a register entry with its wrapper bound (one list).
     from vllm_ddtree import integration
 
-    assert all(c.make_wrapper is not None for c in integration.entries("patch"))
+    version = integration.installed_vllm_version()
+    assert all(c.make_wrapper is not None for c in integration.entries("patch")
+               if c.present(version))
     for fn in (EngineArgs.create_speculative_config, GPUModelRunner._sample,
                GPUModelRunner._model_forward, GPUModelRunner._prepare_inputs):
         assert getattr(fn, "__vllm_ddtree_patch__", False)

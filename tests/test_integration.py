@@ -232,7 +232,9 @@ def test_patches_feed_the_register(monkeypatch):
 def test_every_patch_in_the_package_is_bound():
     import vllm_ddtree.patches  # noqa: F401
 
-    assert all(c.make_wrapper is not None for c in integration.entries("patch"))
+    version = integration.installed_vllm_version()
+    assert all(c.make_wrapper is not None for c in integration.entries("patch")
+               if c.present(version))
 
 
 def test_change_helpers_refuse_unregistered_targets():

@@ -95,7 +95,13 @@ for m in pkgutil.walk_packages(vllm_ddtree.__path__, "vllm_ddtree."):
     except Exception as e:  # noqa: BLE001 - reported by name
         failed[m.name] = f"{type(e).__name__}: {e}"
 problems, skipped = integration.check_sources(sys.argv[2], "0.34.0")
-print(json.dumps({"failed": failed, "problems": problems,
+from vllm_ddtree import patches
+try:  # the installed vLLM (0.32) has V1: without its adapter the plugin refuses it
+    patches.apply_patches()
+    refused = None
+except integration.UnsupportedVLLMVersion as e:
+    refused = str(e)
+print(json.dumps({"failed": failed, "problems": problems, "refused": refused,
                   "v1": [c.target for c in integration.REGISTER
                          if c.site.startswith("vllm_ddtree/runners/v1")],
                   "patches": len(integration.entries("patch"))}))
@@ -105,7 +111,9 @@ print(json.dumps({"failed": failed, "problems": problems,
 def test_deleting_the_adapter_leaves_a_working_package(tmp_path, vllm034_overlay):
     """The package without ``runners/v1/``: every module still imports, no entry of the
     register points into the deleted adapter, and the register passes against vLLM 0.34.0's
-    sources. With the adapter kept, the same check counts its patches (the check can see it)."""
+    sources; on the installed vLLM 0.32, which has V1, the plugin refuses to install rather than
+    let V1 run plain DFlash. With the adapter kept, the same check counts its patches (the
+    check can see it)."""
     copy = tmp_path / "copy"
     shutil.copytree(PACKAGE, copy / "vllm_ddtree",
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -116,5 +124,6 @@ def test_deleting_the_adapter_leaves_a_working_package(tmp_path, vllm034_overlay
     assert run.returncode == 0, run.stderr[-4000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["failed"] == {} and out["problems"] == [] and out["v1"] == [], out
+    assert "has Model Runner V1, but this vllm-ddtree build has no V1 adapter" in out["refused"]
     legacy_patches = sum(c.kind == "patch" for c in CHANGES)
     assert out["patches"] == len(integration.entries("patch")) - legacy_patches > 0

@@ -22,7 +22,6 @@ import pytest
 from tests.support.sliding_drafter import MIXED_LAYER_TYPES, make_sliding_variant, sliding_dflash_drafter
 from tests.support.v2_run import V1_RUNNER, V2_RUNNER, V2_SITE, _runner_class, run_v2, subprocess_env
 from vllm_ddtree.config import DDTreeConfigError
-from vllm_ddtree.runners.v1.hooks import check_drafter_on_v1_runner
 from tests.support import trained
 
 WINDOW = 8
@@ -191,6 +190,8 @@ def test_v2_ddtree_equals_target_only(v2, name):
 def test_check_drafter_on_v1_runner_message():
     """Mixed layer types are refused with the drafter, its layers and the way to V2 named;
     all-full and all-sliding drafters (V1 runs both) pass."""
+    from vllm_ddtree.runners.v1.hooks import check_drafter_on_v1_runner
+
     check_drafter_on_v1_runner("d", ["full_attention", "full_attention"])
     check_drafter_on_v1_runner("d", ["sliding_attention"])
     check_drafter_on_v1_runner("d", None)

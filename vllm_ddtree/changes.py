@@ -41,7 +41,8 @@ ABSENT = "<absent>"
 
 @dataclass
 class Change:
-    """One entry of the register (see the module docstring).
+    """One entry of the register (:data:`vllm_ddtree.integration.REGISTER`; its module docstring
+    says what each field means).
 
     Attributes:
         target: ``"module:qualname"``; the module is ``vllm…`` or ``torch…``.
@@ -110,7 +111,7 @@ def since_034(signature: str | None) -> dict[str, str | None]:
 
 
 def attributes(owner: str, names: str, why: str, site: str,
-           platforms: tuple[str, ...] = ("cpu", "cuda")) -> list[Change]:
+               platforms: tuple[str, ...] = ("cpu", "cuda")) -> list[Change]:
     """One ``attribute`` entry per name in ``names`` (space-separated) of ``owner``
     (``"module:Class"``), all with the same ``why``."""
     return [Change(f"{owner}.{n}", "attribute", why, both(None), site, platforms)

@@ -6,7 +6,7 @@ A user writes, exactly as for vLLM's own methods::
 
 vLLM's ``SpeculativeConfig`` is a pydantic dataclass whose ``method`` is a ``Literal`` and which
 forbids extra keys, so ``"ddtree"`` cannot reach it. :func:`translate_speculative_config` runs
-before vLLM builds that object (see :mod:`vllm_ddtree.patches`): it validates the DDTree keys,
+before vLLM builds that object (see :mod:`vllm_ddtree.patches.frontend`): it validates the DDTree keys,
 turns the dict into vLLM's own ``dflash`` config (so vLLM loads the DFlash drafter, its aux hidden
 states and KV cache), and returns a :class:`DDTreeConfig` that travels to every engine and
 worker process inside ``VllmConfig.additional_config["ddtree"]`` (vLLM's supported channel for
@@ -328,14 +328,35 @@ def _check_fixed_budget(key: str, budget: int, horizon: int, max_children: int |
                 f"ddtree_max_children={max_children})"
             )
     if max_num_batched_tokens is not None:
-        most = max_verify_slots(max_num_batched_tokens, vllm_version)
-        if budget > most:
-            raise DDTreeConfigError(
-                f"speculative_config['{key}']={budget} does not fit one step: with "
-                f"max_num_batched_tokens={max_num_batched_tokens} vLLM {vllm_version} gives a "
-                f"DFlash drafter at most {most} draft slots per request ({key} <= {most}); "
-                f"lower {key} or raise max_num_batched_tokens to "
-                f"{max_num_batched_tokens + budget - most}")
+        check_slots_fit(key, budget, horizon, max_num_batched_tokens, vllm_version)
+
+
+def check_slots_fit(key: str, budget: int, horizon: int, max_num_batched_tokens: int,
+                    vllm_version: str, shown: str | None = None) -> None:
+    """Refuse ``num_speculative_tokens = max(budget, L)`` slots that vLLM ``vllm_version``
+    cannot give a DFlash drafter with ``max_num_batched_tokens`` (:func:`max_verify_slots`),
+    before vLLM's own config check fails with a message that names neither key.
+
+    Raises:
+        DDTreeConfigError: names ``key`` (or L, when L is the larger), the largest value that
+            fits, and the ``max_num_batched_tokens`` that would hold these slots (``K + 2``:
+            it also leaves a vLLM 0.32 request the two rows :func:`check_tree_fits_step` asks).
+            ``shown`` is the value the message gives for ``key`` (default ``budget``).
+    """
+    k = max(budget, horizon)
+    most = max_verify_slots(max_num_batched_tokens, vllm_version)
+    if k <= most:
+        return
+    shown = str(budget) if shown is None else shown
+    which = (f"{key}={shown}" if budget >= horizon else
+             f"L={horizon} (the drafter horizon: num_speculative_tokens, or the drafter's block "
+             f"size - 1)")
+    raise DDTreeConfigError(
+        f"speculative_config['{key}']={shown} does not fit one step: num_speculative_tokens = "
+        f"max({key}={shown}, L={horizon}) = {k}, but with max_num_batched_tokens="
+        f"{max_num_batched_tokens} vLLM {vllm_version} gives a DFlash drafter at most {most} "
+        f"draft slots per request; lower {which} to {most} or raise max_num_batched_tokens to "
+        f"{k + 2}")
 
 
 def drafting_slots(num_verify_slots: int, vllm_version: str) -> int:
@@ -420,6 +441,9 @@ def _auto_max_budget(max_budget: int | None, horizon: int, max_children: int | N
             f"speculative_config['ddtree_budget']='auto' cannot run: max_num_batched_tokens="
             f"{max_num_batched_tokens} leaves no room for one tree node per request"
         )
+    if max_num_batched_tokens is not None:  # L alone must fit, whatever B_max becomes
+        check_slots_fit("ddtree_budget", cap, horizon, max_num_batched_tokens, vllm_version,
+                        shown="'auto'")
     return cap
 
 

@@ -64,6 +64,7 @@ from vllm_ddtree.changes import (  # noqa: F401
     until_033,
 )
 
+
 class UnsupportedVLLMVersion(RuntimeError):
     """The installed vLLM is not one this plugin supports, or differs from the register."""
 
@@ -380,6 +381,8 @@ REGISTER: list[Change] = [
        "The step's GatedDeltaNet metadata (CUDA hybrid oracle); on V1 also the step's slot "
        "mappings and attention layers (KV compaction).",
        both("()"), _GDN_CUDA),
+    *_attrs("vllm.forward_context:ForwardContext", "attn_metadata",
+            "Per-layer attention metadata: the GatedDeltaNet layer's, by its prefix.", _GDN_CUDA),
     _c("vllm.config.vllm:get_current_vllm_config_or_none", "dependency",
        "The engine config while vLLM builds attention layers (the CUDA impl reads "
        "num_speculative_tokens).",
@@ -675,9 +678,12 @@ REGISTER: list[Change] = [
     *_attrs(f"{_ARGS}:EngineArgs",
             "speculative_config spec_method spec_model spec_tokens async_scheduling "
             "logits_processors logprobs_mode additional_config enable_prefix_caching "
-            "max_num_batched_tokens attention_backend attention_config kv_cache_dtype",
-            "Read and set by the front-end patches (config translation, refusals, backend "
-            "selection, prefix caching for hybrids).", _PF),
+            "max_num_batched_tokens",
+            "Read and set by the front-end patches (config translation, refusals, prefix "
+            "caching for hybrids).", _PF),
+    *_attrs(f"{_ARGS}:EngineArgs", "attention_backend attention_config kv_cache_dtype",
+            "The user's attention backend and KV-cache dtype: the tree-attention backend is "
+            "selected, another one or a quantized cache refused.", _SEL),
     *_attrs("vllm.config.vllm:VllmConfig", "speculative_config",
             "The engine's speculative config: the drafter's config and slot count (V2 "
             "speculator, CUDA tree-mask sizing, the V1 drafter check).", _V2),
@@ -722,9 +728,10 @@ REGISTER: list[Change] = [
 
 
 #: The legacy Model Runner V1 adapter (vLLM 0.32/0.33 only): optional, so that deleting its
-#: package is the whole of dropping V1.
+#: package removes V1 support from the plugin.
 LEGACY_V1 = "vllm_ddtree.runners.v1"
-#: The vLLM versions that have Model Runner V1 (its hooks are installed there).
+#: The vLLM releases that have Model Runner V1 (a fact of vLLM: the legacy adapter's hooks are
+#: installed there, and without the adapter the plugin refuses them).
 LEGACY_V1_VERSIONS = ("0.32.0", "0.33.0")
 
 

@@ -1,17 +1,19 @@
-"""Verification: the target's choice at every tree node, the walk, the emitted tokens.
+"""Verification, runner-independent: the walk, the emitted tokens, seeded node noise, and the
+request options verification refuses.
 
-The target forward gives logits at every node of every tree (vLLM's spec-decode logits rows are
-``[root, node_1 … node_n]`` per request, ``_calc_spec_decode_metadata`` in
-``vllm/v1/worker/gpu_model_runner.py``). DDTree takes the target's own choice at each node — the
-argmax, or at T > 0 an independent sample from the node's processed distribution — and walks
-from the root while the choice is a child's token (paper §3.4, reference
-``follow_verified_tree``; no ``min(1, p/q)`` acceptance rule, which is biased on trees built from
-top-k marginals); the step emits the accepted path's tokens and then the target's choice
-at the last accepted node, the bonus token. The output has the shape of vLLM's rejection sampler
-(``[num_reqs, max_drafts + 1]`` int32, ``-1`` = ``PLACEHOLDER_TOKEN_ID`` padding) so the rest of
-vLLM's pipeline (stop checks, ``num_computed_tokens`` rollback, spec-decode counters) is unchanged:
-per request, accepted draft tokens + 1 = emitted tokens, and accepted token ``j`` sits at depth
+The target forward gives logits at every node of every tree (``[root, node_1 … node_n]`` per
+request). DDTree takes the target's own choice at each node — the argmax, or at T > 0 an
+independent sample from the node's processed distribution — and walks from the root while the
+choice is a child's token (paper §3.4, reference ``follow_verified_tree``; no ``min(1, p/q)``
+acceptance rule, which is biased on trees built from top-k marginals); the step emits the
+accepted path's tokens and then the target's choice at the last accepted node, the bonus token.
+Per request, accepted draft tokens + 1 = emitted tokens, and accepted token ``j`` sits at depth
 ``j``, so vLLM's per-position acceptance counts are per-depth counts.
+
+:func:`walk_step` is the walk Model Runner V2's adapter uses (:mod:`vllm_ddtree.runners.v2`);
+the legacy V1 adapter samples through V1's sampler and lays its output out as V1's rejection
+sampler does (``[num_reqs, max_drafts + 1]`` int32, :data:`PLACEHOLDER_TOKEN_ID` padding:
+:mod:`vllm_ddtree.runners.v1.verify`).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ during the forward:
 
 Only the accepted path is written, so vLLM needs ``L + 1`` state blocks per request (the
 drafter horizon) with ``W - 1 + L`` conv windows, not ``max(B, L) + 1`` blocks of
-``W - 1 + max(B, L)`` (:mod:`vllm_ddtree.patches` and
+``W - 1 + max(B, L)`` (:mod:`vllm_ddtree.patches.hybrid` and
 :func:`vllm_ddtree.hybrid.guard.fit_recurrent_state_shapes` size them).
 
 The ``*_reference`` steps are plain fp32 formulas of each layer kind, used by the tests as the

@@ -111,13 +111,18 @@ def apply_patches() -> int:
     process; returns how many were new.
 
     Raises:
-        UnsupportedVLLMVersion: the installed vLLM is not a supported version, or a register
-            entry is missing or has another signature (nothing is patched then).
+        UnsupportedVLLMVersion: the installed vLLM is not a supported version, a register
+            entry is missing or has another signature, or the vLLM has Model Runner V1 and the
+            legacy V1 adapter is not in the package (nothing is patched then).
         KeyError: a ``"patch"`` entry of the register has no wrapper bound.
     """
     integration.verify_installed()
     platform = "cpu" if _on_cpu() else "cuda"
     version = integration.installed_vllm_version()
+    if _HAS_V1 and _V1_HOOKS is None:  # V1 would run vLLM's plain DFlash: refuse, never guess
+        raise UnsupportedVLLMVersion(
+            f"vLLM {version} has Model Runner V1, but this vllm-ddtree build has no V1 adapter "
+            f"(vllm_ddtree/runners/v1/ was removed); install vLLM 0.34 or later")
     count = 0
     for change in integration.entries("patch"):
         if platform not in change.platforms or not change.present(version, platform):
@@ -155,5 +160,6 @@ def apply_version_guard(error: UnsupportedVLLMVersion) -> bool:
 # adapter's hooks) only where vLLM still has V1 (0.32/0.33), so that nothing of V1 is loaded on 0.34.
 from vllm_ddtree.patches import frontend, hybrid, stats, v2  # noqa: E402,F401
 
-if installed_vllm_version() in integration.LEGACY_V1_VERSIONS:
-    integration.legacy_v1("hooks")
+_HAS_V1 = installed_vllm_version() in integration.LEGACY_V1_VERSIONS
+#: The legacy adapter's hooks, where vLLM has V1; ``None`` there if the adapter was deleted.
+_V1_HOOKS = integration.legacy_v1("hooks") if _HAS_V1 else None

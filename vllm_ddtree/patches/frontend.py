@@ -201,7 +201,7 @@ def _validate_params(original: Callable) -> Callable:
             if params.min_p:
                 # vLLM refuses min-p under any speculative decoding because its rejection
                 # sampler ignores it on draft rows; DDTree applies vLLM's min-p processor at
-                # every node (vllm_ddtree.verify), so only that check is skipped.
+                # every node (the runners' verification), so only that check is skipped.
                 min_p, params.min_p = params.min_p, 0.0
                 try:
                     return original(self, params, *args, **kwargs)

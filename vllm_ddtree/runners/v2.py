@@ -26,8 +26,9 @@ objects V2 builds for it:
   compaction) and returns the accepted path's tokens plus the bonus token in V2's
   ``SamplerOutput`` layout, so V2's chain bookkeeping stays valid.
 
-The two V2 factory functions are wrapped in :mod:`vllm_ddtree.patches` (``init_speculator``
-where the runner imports it, ``resolve_model_state_cls``); nothing else of the runner is touched.
+V2's factory functions are wrapped in :mod:`vllm_ddtree.patches.v2` (``init_speculator`` where
+the runner imports it, ``resolve_model_state_cls``), and ``GPUModelRunner.initialize_kv_cache``
+installs ``ddtree_budget="auto"``'s verification budget in V2's adaptive-verification seam.
 """
 
 from __future__ import annotations
@@ -79,8 +80,7 @@ class DDTreeSpeculator(DFlashSpeculator):
             ``None``); the top-1 chain of ``L`` nodes is what V2 verifies then.
 
     Raises:
-        DDTreeConfigError: the budget cannot run with these scheduler settings, or
-            ``ddtree_budget="auto"`` (V1 only for now).
+        DDTreeConfigError: the budget cannot run with these scheduler settings.
     """
 
     def __init__(self, vllm_config: Any, device: torch.device):

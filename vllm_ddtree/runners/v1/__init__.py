@@ -11,9 +11,10 @@ Everything of V1 lives in this package and nowhere else:
 * :mod:`.state`: the per-engine state the hooks carry between calls (``runner._ddtree``);
 * :mod:`.register`: the register entries of all of the above (absent in 0.34).
 
-Nothing outside this package imports it by name: :func:`vllm_ddtree.integration.legacy_v1` loads
+Nothing else in the package imports it by name: :func:`vllm_ddtree.integration.legacy_v1` loads
 :mod:`.register` and (on vLLM 0.32/0.33 only) :mod:`.hooks`, and returns ``None`` when the
-package is gone. **The day 0.32/0.33 support ends, deleting this package and those two versions
-from** ``vllm_ddtree.SUPPORTED_VLLM_VERSIONS`` **is the whole change** (``tests/test_legacy_v1.py``
-deletes it from a copy of the package and runs the 0.34 checks there).
+package is gone (the plugin then refuses a vLLM that has V1). **The day 0.32/0.33 support ends,
+the change is: delete this package, the tests and benchmark hooks that import it by name (the V1
+end-to-end tests), and those two versions from** ``vllm_ddtree.SUPPORTED_VLLM_VERSIONS``
+(``tests/test_legacy_v1.py`` deletes the package from a copy and runs the 0.34 checks there).
 """

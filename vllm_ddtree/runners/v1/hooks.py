@@ -53,7 +53,6 @@ def _validate_v1_model_runner(original: Callable) -> Callable:
     return _validate_v1_model_runner
 
 
-
 def check_drafter_on_v1_runner(drafter: str, layer_types: Any) -> None:
     """Refuse, before the engine starts, a drafter vLLM can only run on Model Runner V2.
 
@@ -85,9 +84,7 @@ def check_drafter_on_v1_runner(drafter: str, layer_types: Any) -> None:
     )
 
 
-
 # --------------------------------------------------------------------------- worker
-
 
 
 @patch(_RUNNER, "GPUModelRunner.__init__")

@@ -139,8 +139,9 @@ CHANGES: list[Change] = [
             "Per-request min-p and seed, and the tokens the shadow_linear measurement walks.",
             _PR),
     _c(f"{_RUNNER}:GPUModelRunner._get_draft_token_ids_cpu", "dependency",
-       "ddtree_budget='auto': the proposer returns one list of node tokens per request (each "
-       "tree its own size), which this method hands to the scheduler as is.",
+       "Relied on, not called: with ddtree_budget='auto' the proposer returns one list of node "
+       "tokens per request (each tree its own size), which this method hands to the scheduler "
+       "as is.",
        both("(self)"), _PR),
     *_attrs("vllm.v1.spec_decode.metadata:SpecDecodeMetadata", "num_draft_tokens",
             "Node rows per request in the target's logits.", _H),
@@ -148,9 +149,10 @@ CHANGES: list[Change] = [
             "Drafter length check when no step was committed yet.", _H),
     *_attrs("vllm.forward_context:ForwardContext", "slot_mapping no_compile_layers",
             "KV slots of the tree rows, and the attention layers whose caches are compacted.", _H),
-    *_attrs(f"{_DFLASH}:DFlashProposer", "model num_speculative_tokens _draft_attn_layer_names",
-            "The drafter model (logits), the slot count vLLM's dummy runs read, and the "
-            "drafter's layers (left out of KV compaction).", _PR),
+    *_attrs(f"{_DFLASH}:DFlashProposer", "model num_speculative_tokens",
+            "The drafter model (logits), and the slot count vLLM's dummy runs read.", _PR),
+    *_attrs(f"{_DFLASH}:DFlashProposer", "_draft_attn_layer_names",
+            "The drafter's layers, left out of KV compaction.", _H),
     *_attrs("vllm.v1.sample.metadata:SamplingMetadata",
             "all_greedy temperature top_k top_p generators max_num_logprobs logprob_token_ids "
             "logitsprocs",

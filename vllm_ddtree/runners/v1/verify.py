@@ -2,8 +2,10 @@
 at every node through V1's sampler (``vllm/v1/sample/sampler.py``), the walk, the emitted tokens
 and their logprobs, in the output layout of V1's rejection sampler.
 
-The walk and its rules are :mod:`vllm_ddtree.verify`'s; this module only feeds V1's sampler and
-``SamplingMetadata`` per tree-node row (Model Runner V2 has its own sampler seam:
+The rules (the walk follows the target's choice, :func:`vllm_ddtree.tree.follow_tree`; seeded
+node noise, :func:`vllm_ddtree.verify.position_seeds`) are the runner-independent ones of
+:mod:`vllm_ddtree.verify`; this module feeds V1's sampler and ``SamplingMetadata`` per tree-node
+row and lays the result out for V1 (Model Runner V2 has its own sampler seam:
 :mod:`vllm_ddtree.runners.v2`).
 """
 
@@ -54,7 +56,7 @@ def sample_nodes(
     chain drafts (``apply_sampling_constraints``); min-p goes through vLLM's own processor. Each node gets fresh noise, so node samples are
     independent draws from ``p(. | prefix + ancestors)``: walking with them is lossless (DDTree
     paper §3.4, reference sample-and-walk). Options whose state is per batch row (penalties,
-    logit bias, …) are refused up front (:func:`validate_sampling_params`).
+    logit bias, …) are refused up front (:func:`vllm_ddtree.verify.validate_sampling_params`).
 
     Args:
         logits: ``[sum(counts), V]`` target logits, node rows request after request.
@@ -62,7 +64,7 @@ def sample_nodes(
         sampling_metadata: the batch's ``vllm.v1.sample.metadata.SamplingMetadata``.
         sampler: the runner's ``vllm.v1.sample.sampler.Sampler``.
         min_p: per request, ``SamplingParams.min_p`` (``None``: no request uses it).
-        row_seeds: ``batch index -> [counts[b]]`` generator seeds (:func:`position_seeds`):
+        row_seeds: ``batch index -> [counts[b]]`` generator seeds (:func:`~vllm_ddtree.verify.position_seeds`):
             those requests' rows draw from one fresh generator per row instead of the request's
             generator stream (which then is not advanced); other seeded requests use their
             stream as vLLM does.
@@ -141,7 +143,7 @@ def verify_tree_step(
         min_p: per request ``SamplingParams.min_p``, or ``None``.
         seeds: per request ``SamplingParams.seed`` (``None`` for unseeded), or ``None``: a
             seeded request that verifies a tree draws the noise of each node from the node's
-            token position (:func:`position_seeds`), so its output does not depend on tree
+            token position (:func:`~vllm_ddtree.verify.position_seeds`), so its output does not depend on tree
             sizes; a seeded request without drafts draws from its generator as in vLLM.
 
     Returns:
