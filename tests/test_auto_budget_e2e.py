@@ -103,7 +103,8 @@ def test_proposer_auto_path_cuts_trees_to_prefixes_and_learns():
     import torch
 
     from vllm_ddtree.step import StepRequest, TreeStep
-    from vllm_ddtree.tree import build_draft_trees, chain_tree, validate_draft_tree
+    from tests.support.tree_checks import validate_draft_tree
+    from vllm_ddtree.tree import build_draft_trees, chain_tree
 
     p = _bare_proposer(max_budget=24)
     p.controller.cost = _CpuLikeCost()

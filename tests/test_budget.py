@@ -19,7 +19,8 @@ from vllm_ddtree.budget import (
     marginal_values,
 )
 from vllm_ddtree.step import truncate_tree
-from vllm_ddtree.tree import build_draft_tree, follow_tree, validate_draft_tree
+from tests.support.tree_checks import validate_draft_tree
+from vllm_ddtree.tree import build_draft_tree, follow_tree
 
 
 def geometric(r: float, n: int = 64) -> torch.Tensor:

@@ -127,10 +127,9 @@ def test_rejects_non_dflash_drafter(qwen3_target, tmp_path):
 def test_version_fence_names_both_versions_and_packages(monkeypatch):
     import vllm
 
-    from vllm_ddtree import SUPPORTED_VLLM_VERSION, SUPPORTED_VLLM_VERSIONS, patches
+    from vllm_ddtree import SUPPORTED_VLLM_VERSIONS, patches
 
     assert SUPPORTED_VLLM_VERSIONS == ("0.32.0", "0.33.0", "0.34.0")
-    assert SUPPORTED_VLLM_VERSION == "0.32.0"  # the single version older callers read
     patches.check_vllm_version()  # the installed vLLM is a supported one
     patches.check_vllm_version("0.33.0")
     patches.check_vllm_version("0.34.0")

@@ -300,3 +300,51 @@ def test_seeded_tree_noise_is_keyed_by_position():
     assert len({tuple(choices(large, 7, n).values()) for n in (20, 21, 22, 23)}) == 4
     assert position_seeds(1, [5, 6]) != position_seeds(2, [5, 6])
     assert position_seeds(1, [5, 6]) == position_seeds(1, [5, 6])
+
+
+def test_v1_verification_lays_out_the_walk_like_vllms_rejection_sampler():
+    """The V1 adapter's verification (greedy, with logprobs) on a batch of two trees and one
+    request without drafts: per request the argmax at each accepted node, then -1 padding;
+    each emitted token's logprob is read from the node that emitted it. The drafts are steered so
+    the walk leaves the spine (a second child is accepted)."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_ddtree.runners.v1.verify import verify_tree_step
+    from vllm_ddtree.step import StepRequest
+    from vllm_ddtree.tree import build_draft_tree
+
+    g = torch.Generator().manual_seed(3)
+    vocab = 32
+    trees = {b: build_draft_tree(torch.log_softmax(torch.randn(3, vocab, generator=g), -1), n)
+             for b, n in ((0, 7), (2, 4))}
+    counts = [trees[0].num_nodes + 1, 1, trees[2].num_nodes + 1]
+    logits = torch.randn(sum(counts), vocab, generator=g)
+    start = {0: 0, 2: counts[0] + counts[1]}
+    # Request 0: root -> its second child (off the spine) -> bonus token 5.
+    second = sorted(trees[0].child_maps[0].items(), key=lambda kv: kv[1])[1]
+    logits[start[0], second[0]] += 50.0
+    logits[start[0] + second[1]] = 0.0
+    logits[start[0] + second[1], 5] = 50.0
+    reqs = {b: StepRequest(f"r{b}", b, start[b], 10, t, True) for b, t in trees.items()}
+    md = SamplingMetadata(
+        temperature=None, all_greedy=True, all_random=False, top_p=None, top_k=None,
+        generators={}, max_num_logprobs=1, no_penalties=True, prompt_token_ids=None,
+        frequency_penalties=torch.zeros(3), presence_penalties=torch.zeros(3),
+        repetition_penalties=torch.ones(3), output_token_ids=[[], [], []],
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+    out, logprobs = verify_tree_step(logits, [c - 1 for c in counts], reqs, md, Sampler())
+    assert reqs[0].accepted[:2] == [0, second[1]] and out[0, :2].tolist() == [second[0], 5]
+    argmax = logits.argmax(-1)
+    width = max(counts)
+    assert out.shape == (3, width) and out.dtype == torch.int32
+    lp = torch.log_softmax(logits, -1)
+    for b in range(3):
+        nodes = reqs[b].accepted if b in reqs else [0]
+        base = sum(counts[:b])
+        rows = [base + a for a in nodes]
+        assert out[b, : len(nodes)].tolist() == argmax[rows].tolist()
+        assert (out[b, len(nodes):] == -1).all()
+        got = logprobs.logprobs[b * width : b * width + len(nodes), 0]
+        torch.testing.assert_close(got, lp[rows, argmax[rows]])

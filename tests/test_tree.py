@@ -10,14 +10,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.tree_checks import follow_trees, validate_draft_tree
 from vllm_ddtree.tree import (
     DraftTree,
     build_draft_tree,
     build_draft_trees,
     chain_tree,
     follow_tree,
-    follow_trees,
-    validate_draft_tree,
 )
 
 NEG_INF = float("-inf")

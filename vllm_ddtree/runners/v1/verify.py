@@ -2,8 +2,8 @@
 at every node through V1's sampler (``vllm/v1/sample/sampler.py``), the walk, the emitted tokens
 and their logprobs, in the output layout of V1's rejection sampler.
 
-The rules (the walk follows the target's choice, :func:`vllm_ddtree.tree.follow_tree`; seeded
-node noise, :func:`vllm_ddtree.verify.position_seeds`) are the runner-independent ones of
+The walk (:func:`vllm_ddtree.verify.walk_step`) and seeded node noise
+(:func:`vllm_ddtree.verify.position_seeds`) are the runner-independent ones of
 :mod:`vllm_ddtree.verify`; this module feeds V1's sampler and ``SamplingMetadata`` per tree-node
 row and lays the result out for V1 (Model Runner V2 has its own sampler seam:
 :mod:`vllm_ddtree.runners.v2`).
@@ -11,13 +11,13 @@ row and lays the result out for V1 (Model Runner V2 has its own sampler seam:
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from vllm_ddtree.step import StepRequest
-from vllm_ddtree.tree import follow_tree
-from vllm_ddtree.verify import PLACEHOLDER_TOKEN_ID, position_seeds
+from vllm_ddtree.verify import PLACEHOLDER_TOKEN_ID, position_seeds, walk_step
 
 
 def _node_min_p(min_p: Sequence[float], reps: torch.Tensor) -> Any:
@@ -164,26 +164,21 @@ def verify_tree_step(
     if seeds is not None and not sampling_metadata.all_greedy:
         row_seeds = {b: position_seeds(seeds[b], req.context_len + 1 + req.tree.depths.numpy())
                      for b, req in step_requests.items() if seeds[b] is not None}
+    for b, req in step_requests.items():
+        if req.num_rows != counts[b]:
+            raise ValueError(f"request row {b}: a tree of {req.num_rows} rows, {counts[b]} "
+                             "logits rows scheduled")
     choices = sample_nodes(logits, counts, sampling_metadata, sampler, min_p,
                            row_seeds).tolist()
     width = max(counts)
-    out = torch.full((len(counts), width), PLACEHOLDER_TOKEN_ID, dtype=torch.int32)
-    rows = torch.zeros((len(counts), width), dtype=torch.long)  # logits row of each output
-    start = 0
-    for b, c in enumerate(counts):
-        node_choices = choices[start : start + c]
-        req = step_requests.get(b)
-        if req is None:  # no drafts: the one row is an ordinary sample
-            accepted = [0]
-        else:
-            accepted, next_token = follow_tree(req.tree, node_choices)
-            req.accepted = accepted
-            assert node_choices[accepted[-1]] == next_token
-        emitted = [node_choices[a] for a in accepted]  # target choice at each accepted node
-        out[b, : len(emitted)] = torch.tensor(emitted, dtype=torch.int32)
-        rows[b] = start
-        rows[b, : len(accepted)] += torch.tensor(accepted)
-        start += c
+    cu = [0, *itertools.accumulate(counts)]
+    sampled, num_emitted, moved = walk_step(choices, cu, step_requests, width)
+    out = sampled.to(torch.int32)
+    rows = torch.empty((len(counts), width), dtype=torch.long)  # logits row of each output
+    for b, n in enumerate(num_emitted):
+        out[b, n:] = PLACEHOLDER_TOKEN_ID
+        rows[b, :n] = torch.tensor(moved[cu[b] : cu[b] + n])
+        rows[b, n:] = cu[b]  # padding: any row of the request (vLLM drops these)
     logprobs = None
     if sampling_metadata.max_num_logprobs is not None:
         tokens = out.flatten().long().clamp(min=0)  # placeholders are filtered by vLLM later
