@@ -331,6 +331,22 @@ def _check_fixed_budget(key: str, budget: int, horizon: int, max_children: int |
         check_slots_fit(key, budget, horizon, max_num_batched_tokens, vllm_version)
 
 
+def check_budget_runs(ddtree: DDTreeConfig, vocab_size: int, max_num_batched_tokens: int,
+                      vllm_version: str) -> None:
+    """The budget check again, in the worker, with the engine's final settings (the front end
+    may not have known vLLM's default ``max_num_batched_tokens``): the one rule both runner
+    adapters apply (:func:`_check_fixed_budget` on ``ddtree_budget``, or ``ddtree_max_budget``
+    under ``"auto"``).
+
+    Raises:
+        DDTreeConfigError: the budget cannot be filled with distinct prefixes, or its slots do
+            not fit one step.
+    """
+    key = "ddtree_max_budget" if ddtree.auto_budget else "ddtree_budget"
+    _check_fixed_budget(key, ddtree.budget, ddtree.drafter_horizon, ddtree.max_children,
+                        vocab_size, max_num_batched_tokens, vllm_version)
+
+
 def check_slots_fit(key: str, budget: int, horizon: int, max_num_batched_tokens: int,
                     vllm_version: str, shown: str | None = None) -> None:
     """Refuse ``num_speculative_tokens = max(budget, L)`` slots that vLLM ``vllm_version``

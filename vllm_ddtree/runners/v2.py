@@ -48,7 +48,8 @@ from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.budget import ENGINE_ROW_MULTIPLE, ENGINE_SIZES_PER_OCTAVE, BudgetController
-from vllm_ddtree.config import DDTreeConfig, DDTreeConfigError, count_prefixes, get_ddtree_config
+from vllm_ddtree.config import DDTreeConfig, check_budget_runs, get_ddtree_config
+from vllm_ddtree.integration import installed_vllm_version
 from vllm_ddtree.metrics import WorkerFigures
 from vllm_ddtree.shadow import ShadowAcceptance
 from vllm_ddtree.step import ScheduledDrafts, TreeStep, lay_out_step
@@ -91,14 +92,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         #: Recurrent layers run the sequential tree oracle (every speculative row of the target).
         self.hybrid = bool(getattr(vllm_config.model_config, "is_hybrid", False))
         self.num_verify_slots = int(vllm_config.speculative_config.num_speculative_tokens)
-        fillable = count_prefixes(vllm_config.model_config.get_vocab_size(),
-                                  ddtree.drafter_horizon, ddtree.max_children, ddtree.budget)
+        # Again with the engine's final settings (the front end may not know vLLM's defaults).
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
-        if self.num_verify_slots + 1 > max_tokens or fillable < ddtree.budget:
-            raise DDTreeConfigError(
-                f"speculative_config['ddtree_budget']={ddtree.budget} cannot run: it needs "
-                f"{self.num_verify_slots + 1} slots per step (max_num_batched_tokens="
-                f"{max_tokens}) and {ddtree.budget} distinct draft prefixes ({fillable} exist)")
+        check_budget_runs(ddtree, vllm_config.model_config.get_vocab_size(), max_tokens,
+                          installed_vllm_version())
         # The drafter runs L mask tokens; V2's runner keeps K = max(B, L) draft rows.
         spec = copy.copy(vllm_config.speculative_config)
         object.__setattr__(spec, "num_speculative_tokens", ddtree.drafter_horizon)

@@ -22,7 +22,8 @@ import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.budget import ENGINE_ROW_MULTIPLE, ENGINE_SIZES_PER_OCTAVE, BudgetController
-from vllm_ddtree.config import DDTreeConfig, count_prefixes, get_ddtree_config
+from vllm_ddtree.config import DDTreeConfig, check_budget_runs, get_ddtree_config
+from vllm_ddtree.integration import installed_vllm_version
 from vllm_ddtree.metrics import WorkerFigures
 from vllm_ddtree.shadow import ShadowAcceptance
 from vllm_ddtree.step import TreeStep
@@ -77,18 +78,9 @@ class DDTreeProposer(DFlashProposer):
 
         # Checked again here with the final scheduler settings (the front end may not know
         # vLLM's default token budget).
-        fillable = count_prefixes(
-            vllm_config.model_config.get_vocab_size(), ddtree.drafter_horizon,
-            ddtree.max_children, ddtree.budget,
-        )
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
-        if ddtree.budget + 1 > max_tokens or fillable < ddtree.budget:
-            key = "ddtree_max_budget" if ddtree.auto_budget else "ddtree_budget"
-            raise ValueError(
-                f"speculative_config['{key}']={ddtree.budget} cannot run: it needs "
-                f"{ddtree.budget + 1} slots per step (max_num_batched_tokens={max_tokens}) and "
-                f"{ddtree.budget} distinct draft prefixes ({fillable} exist)"
-            )
+        check_budget_runs(ddtree, vllm_config.model_config.get_vocab_size(), max_tokens,
+                          installed_vllm_version())
         self.controller: BudgetController | None = (
             BudgetController(ddtree.budget, figures=self.ddtree_figures,
                              row_multiple=ENGINE_ROW_MULTIPLE,
