@@ -184,6 +184,30 @@ def test_the_change_scanner_can_fail():
     assert len(change_sites(Path("vllm_ddtree/patches/__init__.py"), "os.environ['X'] = '0'\n")) == 1
 
 
+#: The files whose functions wrap vLLM methods: there ``self`` is a vLLM object.
+WRAPPER_FILES = [*sorted((ROOT / "vllm_ddtree" / "patches").glob("*.py")),
+                 ROOT / "vllm_ddtree" / "runners" / "v1" / "hooks.py"]
+_SELF_SET = re.compile(r"^\s*self\.(\w+)\s*=[^=]")
+
+
+def unregistered_self_attributes(path: Path, text: str) -> list[str]:
+    """``self.name = …`` lines of a wrapper file whose ``name`` no ``attribute`` or
+    ``instance attribute`` entry of the register names."""
+    names = {c.qualname.rsplit(".", 1)[-1] for c in integration.REGISTER
+             if c.kind in ("attribute", "instance attribute")}
+    return [f"{path.name}:{i}: {line.strip()}"
+            for i, (line, code) in enumerate(zip(text.splitlines(), _code_lines(text)), 1)
+            if (m := _SELF_SET.search(code)) and m.group(1) not in names]
+
+
+def test_every_attribute_set_on_a_vllm_object_is_registered():
+    bad = [line for p in WRAPPER_FILES if p.exists()
+           for line in unregistered_self_attributes(p, p.read_text())]
+    assert bad == []
+    # Power: an attribute the register does not name is reported.
+    assert unregistered_self_attributes(Path("x.py"), "    self._ddtree_new = 1\n")
+
+
 def test_register_entries_are_well_formed():
     targets = [c.target for c in integration.REGISTER]
     assert len(targets) == len(set(targets))

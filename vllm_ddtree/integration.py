@@ -207,6 +207,11 @@ REGISTER: list[Change] = [
        "A step's worker-side DDTree figures (metrics.WorkerFigures) ride to the scheduler on "
        "its ModelRunnerOutput, pickled with it by the multiprocess and Ray executors.",
        both(None), "vllm_ddtree/metrics.py"),
+    _c("vllm.v1.core.sched.scheduler:Scheduler._ddtree_figures", "instance attribute",
+       "The worker figures of the steps since the scheduler last made spec-decode stats "
+       "(merged in update_from_output, taken in make_spec_decoding_stats); a new attribute "
+       "vLLM ignores.",
+       both(None), _PS),
     _c("vllm.v1.outputs:AsyncModelRunnerOutput.get_output", "instance attribute",
        "With async scheduling the output is built by get_output(): that one object's method is "
        "wrapped to put the figures on the output it returns.",

@@ -66,6 +66,10 @@ CHANGES: list[Change] = [
        "not use offset' kills the engine).",
        both("(self, scheduler_output, sampler_output, logits, hidden_states, "
             "num_scheduled_tokens)"), _H, _CPU),
+    _c(f"{_RUNNER}:GPUModelRunner._ddtree", "instance attribute",
+       "The V1 adapter's per-engine state (state.V1EngineState, None without DDTree), set in "
+       "__init__ and read by every hook; a new attribute vLLM ignores.",
+       both(None), _H),
     _c(f"{_RUNNER}:DFlashProposer", "global swap",
        "The runner module's DFlashProposer name is DDTreeProposer while the patched "
        "GPUModelRunner.__init__ calls vLLM's (so vLLM's own drafter set-up builds the DDTree "
