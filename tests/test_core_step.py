@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from vllm_ddtree.commit import compact_kv_in_cache, gather_accepted_rows, path_moves
-from vllm_ddtree.step import ScheduledDrafts, lay_out_step, plan_tree_step
+from vllm_ddtree.runners.v1.step import plan_tree_step
+from vllm_ddtree.step import ScheduledDrafts, lay_out_step
 from vllm_ddtree.tree import build_draft_tree
 from vllm_ddtree.verify import walk_step
 

@@ -3,7 +3,8 @@
 vLLM's scheduler sees each request's draft nodes as a flat list of speculative tokens (node order)
 behind the bonus token, so it lays a request out as rows ``[bonus, node_1 … node_n]`` of the
 step's token batch and writes node ``i``'s K/V to the slot of *chain* position
-``context_len + i``. :func:`plan_tree_step` turns that layout plus the proposer's trees into a
+``context_len + i``. :func:`lay_out_step` turns that layout (:class:`ScheduledDrafts`, built
+by each runner adapter from its own batch) plus the proposer's trees into a
 :class:`TreeStep`: the rows of every tree, the positions the model must read
 (``root_position + depth``, siblings share one; paper §3.3) and the ancestor masks for the
 attention backends. Trees are keyed by request id, never by shape or batch slot.
@@ -132,43 +133,6 @@ class ScheduledDrafts:
     context_len: int
     num_drafts: int
     tokens: Sequence[int] | None = None
-
-
-def plan_tree_step(
-    req_ids: Sequence[str],
-    scheduled_spec_tokens: Mapping[str, Sequence[int]],
-    num_scheduled_tokens: Mapping[str, int],
-    query_start_loc: np.ndarray,
-    num_computed_tokens: np.ndarray,
-    trees: Mapping[str, DraftTree],
-    device: torch.device | str = "cpu",
-) -> TreeStep | None:
-    """Lay this step's draft trees onto vLLM's flat token batch (V1 runner's view).
-
-    Args:
-        req_ids: request ids in input-batch order (``input_batch.req_ids[:num_reqs]``).
-        scheduled_spec_tokens: ``scheduler_output.scheduled_spec_decode_tokens``.
-        num_scheduled_tokens: ``scheduler_output.num_scheduled_tokens``.
-        query_start_loc: ``[num_reqs + 1]`` int, first flat row of each request.
-        num_computed_tokens: ``[>= num_reqs]`` int, tokens already in the KV cache per request
-            (before this step).
-        trees: the proposer's trees by request id (consumed entries are removed by the caller).
-        device: where the position and mask tensors go (the model's device).
-
-    Returns:
-        the step plan (:func:`lay_out_step`), or ``None`` when no request carries draft tokens.
-    """
-    scheduled: list[ScheduledDrafts] = []
-    for b, req_id in enumerate(req_ids):
-        drafts = scheduled_spec_tokens.get(req_id)
-        if not drafts:
-            continue
-        n = len(drafts)
-        num_sched = int(num_scheduled_tokens[req_id])
-        scheduled.append(ScheduledDrafts(
-            req_id, b, int(query_start_loc[b]) + num_sched - (n + 1),
-            int(num_computed_tokens[b]) + num_sched - (n + 1), n, list(drafts)))
-    return lay_out_step(scheduled, trees, device)
 
 
 def lay_out_step(

@@ -10,7 +10,7 @@ The step, in the order V1 calls it:
   * ``GPUModelRunner.__init__``: build :class:`~vllm_ddtree.runners.v1.proposer.DDTreeProposer`
     where vLLM builds ``DFlashProposer`` (a subclass, so vLLM's ``isinstance`` checks hold).
   * ``GPUModelRunner._prepare_inputs``: lay this step's trees onto the token batch
-    (:func:`vllm_ddtree.step.plan_tree_step`).
+    (:func:`vllm_ddtree.runners.v1.step.plan_tree_step`).
   * ``GPUModelRunner._model_forward``: depth positions in the positions buffer the model reads,
     tree attention active (CUDA: the static tree-mask buffers written before and cleared after),
     capture slot mappings and tapped hidden states.
@@ -153,7 +153,7 @@ def _prepare_inputs(original: Callable) -> Callable:
         state = engine_state(self)
         if state is None:
             return result
-        from vllm_ddtree.step import plan_tree_step
+        from vllm_ddtree.runners.v1.step import plan_tree_step
 
         state.hybrid_done = False  # this step's target forward is still to come
         state.step_index += 1

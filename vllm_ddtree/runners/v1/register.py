@@ -48,7 +48,7 @@ CHANGES: list[Change] = [
        "drafts accepted; the next DFlash block only has to fit past what was committed.",
        both("(self, common_attn_metadata)"), _H),
     _c(f"{_RUNNER}:GPUModelRunner._prepare_inputs", "patch",
-       "Lays this step's draft trees onto vLLM's token batch (vllm_ddtree.step.plan_tree_step).",
+       "Lays this step's draft trees onto vLLM's token batch (runners/v1/step.py: plan_tree_step).",
        both("(self, scheduler_output, num_scheduled_tokens)"), _H),
     _c(f"{_RUNNER}:GPUModelRunner._model_forward", "patch",
        "Depth positions in the positions buffer, tree attention active, tree masks published "
